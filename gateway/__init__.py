@@ -1,0 +1,1 @@
+"""rlgate's gateway: the OpenAI-compatible API, the reward API and the admin API."""

@@ -1,0 +1,130 @@
+"""Domain errors and the one funnel that maps them to OpenAI's error shape.
+
+    APIError                      (message, type, param, code, status)
+    ├── InvalidRequest            400 invalid_request_error
+    ├── AuthenticationFailed      401 authentication_error
+    ├── PermissionDenied          403 permission_error
+    ├── NotFound                  404 not_found_error
+    ├── Conflict                  409 conflict_error
+    ├── Unprocessable             422 invalid_request_error
+    ├── PayloadTooLarge           413 invalid_request_error
+    ├── Unavailable               503 service_unavailable (retryable)
+    └── ...
+
+Anything else that escapes a handler is a bug: logged with its traceback and
+answered 500 with a message that leaks nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(APIError):
+    status = 400
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    type = "authentication_error"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(APIError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+
+
+class Unprocessable(APIError):
+    status = 422
+
+
+class Unavailable(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            return error_response(
+                InvalidRequest("request body is not valid JSON", code="invalid_json")
+            )
+        param = _loc_to_param(loc)
+        msg = first.get("msg", "invalid request")
+        text = f"{param}: {msg}" if param else msg
+        return error_response(InvalidRequest(text, param=param, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(str(exc.detail))
+        err.status = exc.status_code
+        err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        err = APIError("internal server error")
+        err.status = 500
+        err.type = "server_error"
+        return error_response(err)

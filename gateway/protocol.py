@@ -1,0 +1,216 @@
+"""Request and response models mirroring OpenAI's names and field order.
+
+rlgate's own extensions sit in fenced blocks marked `# --- rlgate extensions`.
+Unknown request fields are accepted (extra="allow") and logged by the router.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """Content as plain text; a list of parts keeps its text parts only."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.get("type") not in ("text", "input_text", "output_text"):
+                raise ValueError(f"content part type {part.get('type')!r} is not supported")
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(OpenAIModel):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    frequency_penalty: float | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, str] | None = None
+    n: int | None = Field(1, ge=1, le=1)
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+
+    @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    # --- rlgate extensions
+    # The episode and policy version this completion was filed under and sampled by.
+    episode_id: str | None = None
+    policy_version: int | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rlgate"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- rlgate's own API (not OpenAI's) -----------------------------------------
+
+
+class RewardRequest(BaseModel):
+    """A reward for one completion or one whole episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float
+    completion_id: str | None = Field(None, max_length=64)
+    episode_id: str | None = Field(None, max_length=100)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be a finite number")
+        return v
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RewardRequest:
+        if (self.completion_id is None) == (self.episode_id is None):
+            raise ValueError("give exactly one of completion_id or episode_id")
+        return self
+
+
+class RewardAck(BaseModel):
+    object: Literal["reward"] = "reward"
+    id: int
+    run_id: str
+    completion_id: str | None
+    episode_id: str
+    reward: float
+    episode_status: str
+    duplicate: bool = False
+
+
+class RunCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    model: str = Field(min_length=1, max_length=500, description="alias (tiny, smollm2) or path")
+    backend: Literal["local"] = "local"
+    config: dict[str, Any] = Field(default_factory=dict, description="trainer.config.RunConfig")
+
+
+class RunPublic(BaseModel):
+    run_id: str
+    name: str
+    model: str
+    backend: str
+    status: str
+    base_url: str
+    current_version: int
+    served_version: int | None
+    config: dict[str, Any]
+    counters: dict[str, Any]
+    created_at: str
+
+
+class RunCreated(RunPublic):
+    api_key: str
+
+
+class TrainStepPublic(BaseModel):
+    step: int
+    status: str
+    version: int
+    n_episodes: int
+    n_groups: int
+    loss: float | None
+    reward_mean: float | None
+    reward_std: float | None
+    tokens: int | None
+    duration_s: float | None
+    metrics: dict[str, Any]
+    error: str | None

@@ -1,0 +1,49 @@
+"""OpenAI-compatible endpoints, also mounted under path-scoped episode prefixes."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+
+from gateway.deps import RunDep
+from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
+from gateway.services.completions import EpisodeRef
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def episode_ref(request: Request) -> EpisodeRef:
+    """Path first, then headers; the service falls back to `metadata`."""
+    p, h = request.path_params, request.headers
+    return EpisodeRef(
+        episode_id=p.get("episode_id") or h.get("x-episode-id") or None,
+        group_id=p.get("group_id") or h.get("x-group-id") or None,
+    )
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def chat_completions(
+    body: ChatCompletionRequest, run: RunDep, request: Request
+) -> ChatCompletion:
+    if body.unknown_fields():
+        logger.info("ignoring unknown chat fields: %s", body.unknown_fields())
+    if body.stream:
+        raise InvalidRequest("stream=true is not supported yet", param="stream")
+    if body.model not in (run.name, run.model, run.id):
+        raise NotFound(
+            f"model {body.model!r} is not served for this key; use {run.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    ref = episode_ref(request)
+    resp = await request.app.state.chat.create(run, body, ref)
+    return resp
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(run: RunDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=run.name, created=int(run.created_at.timestamp()))])

@@ -1,0 +1,162 @@
+"""Chat completions: render, generate token ids, store the exact sample, answer in OpenAI form."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import make_transient
+
+from gateway.errors import InvalidRequest, Unavailable
+from gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ResponseMessage,
+    TokenLogprob,
+    Usage,
+)
+from gateway.services.backends import BackendPool, RunServing
+from gateway.store import repo
+from gateway.store.models import Completion, Run
+from inference.backend import BackendError
+from inference.types import GenerateRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EpisodeRef:
+    """Where a call is filed: from the URL path, the X-Episode-Id/X-Group-Id headers or metadata."""
+
+    episode_id: str | None = None
+    group_id: str | None = None
+
+
+class ChatService:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], pool: BackendPool) -> None:
+        self.sessions = sessions
+        self.pool = pool
+
+    async def serving(self, run: Run) -> RunServing:
+        async with self.sessions() as s:
+            ckpt = await repo.checkpoint_of(s, run.id, run.current_version)
+        try:
+            return await self.pool.get(
+                run.id,
+                Path(run.model_path),
+                run.backend,
+                run.current_version,
+                Path(ckpt) if ckpt else None,
+            )
+        except (OSError, ValueError) as exc:
+            logger.exception("could not load the model of run %s", run.id)
+            raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
+
+    async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
+        serving = await self.serving(run)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        try:
+            prompt_ids = await asyncio.to_thread(serving.template.render, messages)
+        except Exception as exc:  # a template can raise on roles or shapes it does not know
+            raise InvalidRequest(
+                f"messages could not be rendered: {exc}", param="messages"
+            ) from exc
+        max_new = req.max_new_tokens(DEFAULT_MAX_TOKENS)
+        if len(prompt_ids) + max_new > serving.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new}) exceeds the "
+                f"model's context of {serving.max_context} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        temperature = 1.0 if req.temperature is None else req.temperature
+        params = SamplingParams(
+            max_tokens=max_new,
+            temperature=temperature,
+            top_p=req.top_p or 1.0,
+            seed=req.seed,
+            stop_token_ids=serving.template.stop_token_ids,
+        )
+        try:
+            result = await serving.backend.generate(GenerateRequest(prompt_ids, params))
+        except BackendError as exc:
+            raise Unavailable(
+                f"inference backend failed: {exc}", code="backend_unavailable"
+            ) from exc
+        text = serving.template.decode(result.output_token_ids)
+
+        completion_id = "chatcmpl-" + uuid.uuid4().hex
+        meta = req.metadata or {}
+        episode_id = ref.episode_id or meta.get("episode_id") or "ep-" + uuid.uuid4().hex
+        group_id = ref.group_id or meta.get("group_id")
+        row = Completion(
+            id=completion_id,
+            run_id=run.id,
+            episode_id=episode_id,
+            messages=messages,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=result.output_token_ids,
+            output_logprobs=result.output_logprobs,
+            content=text,
+            finish_reason=result.finish_reason,
+            temperature=temperature,
+            policy_version=result.policy_version,
+        )
+        await self._store(row, group_id)
+        return self._response(req, serving, row, result.output_logprobs)
+
+    async def _store(self, row: Completion, group_id: str | None) -> None:
+        """Insert the completion and, if new, its episode; concurrent first calls may race."""
+        for attempt in range(3):
+            try:
+                async with self.sessions.begin() as s:
+                    await repo.get_or_create_episode(s, row.run_id, row.episode_id, group_id)
+                    s.add(row)
+                return
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+                make_transient(row)
+
+    @staticmethod
+    def _response(req, serving: RunServing, row: Completion, lps: list[float]) -> ChatCompletion:
+        logprobs = None
+        if req.logprobs:
+            tok = serving.template.tokenizer
+            logprobs = ChoiceLogprobs(
+                content=[
+                    TokenLogprob(token=tok.decode([t]), logprob=lp)
+                    for t, lp in zip(row.output_token_ids, lps, strict=True)
+                ]
+            )
+        n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
+        return ChatCompletion(
+            id=row.id,
+            model=req.model,
+            choices=[
+                Choice(
+                    index=0,
+                    message=ResponseMessage(content=row.content),
+                    logprobs=logprobs,
+                    finish_reason="length" if row.finish_reason == "length" else "stop",
+                )
+            ],
+            usage=Usage(
+                prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
+            ),
+            system_fingerprint=f"rlgate-{row.run_id}-v{row.policy_version}",
+            episode_id=row.episode_id,
+            policy_version=row.policy_version,
+        )

@@ -1,0 +1,113 @@
+"""Runs: create (resolve the model, mint the agent key), read, list, with their steps."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.errors import InvalidRequest, NotFound
+from gateway.keys import display_prefix, hash_key, new_key
+from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
+from gateway.services.backends import BackendPool
+from gateway.store.models import ApiKey, PolicyVersion, Run, TrainStep
+from inference.models import resolve_model
+from trainer.config import RunConfig
+
+
+class RunService:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], pool: BackendPool, models_dir: Path
+    ) -> None:
+        self.sessions = sessions
+        self.pool = pool
+        self.models_dir = models_dir
+
+    async def create(self, body: RunCreate, base_url: str) -> RunCreated:
+        try:
+            cfg = RunConfig.model_validate(body.config)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = "config." + ".".join(str(p) for p in first["loc"]) if first["loc"] else "config"
+            raise InvalidRequest(f"{param}: {first['msg']}", param=param) from exc
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
+        except (ValueError, RuntimeError) as exc:
+            raise InvalidRequest(str(exc), param="model") from exc
+        run_id = "run_" + uuid.uuid4().hex[:16]
+        key = new_key()
+        async with self.sessions.begin() as s:
+            run = Run(
+                id=run_id,
+                name=body.name,
+                model=body.model,
+                model_path=str(model_dir),
+                backend=body.backend,
+                status="active",
+                config=cfg.model_dump(),
+                current_version=0,
+                counters={},
+            )
+            s.add(run)
+            await s.flush()
+            s.add(ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key)))
+            s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
+        public = self.public(run, base_url)
+        return RunCreated(**public.model_dump(), api_key=key)
+
+    def public(self, run: Run, base_url: str) -> RunPublic:
+        serving = self.pool.loaded().get(run.id)
+        return RunPublic(
+            run_id=run.id,
+            name=run.name,
+            model=run.model,
+            backend=run.backend,
+            status=run.status,
+            base_url=base_url,
+            current_version=run.current_version,
+            served_version=serving.backend.version if serving else None,
+            config=run.config,
+            counters=run.counters or {},
+            created_at=run.created_at.isoformat(),
+        )
+
+    async def get(self, run_id: str) -> Run:
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no run {run_id!r}", param="run_id")
+        return run
+
+    async def list(self) -> list[Run]:
+        async with self.sessions() as s:
+            return list((await s.execute(select(Run).order_by(Run.created_at))).scalars())
+
+    async def steps(self, run_id: str) -> list[TrainStepPublic]:
+        await self.get(run_id)
+        async with self.sessions() as s:
+            rows = (
+                await s.execute(
+                    select(TrainStep).where(TrainStep.run_id == run_id).order_by(TrainStep.step)
+                )
+            ).scalars()
+            return [
+                TrainStepPublic(
+                    step=r.step,
+                    status=r.status,
+                    version=r.step + 1,
+                    n_episodes=r.n_episodes,
+                    n_groups=r.n_groups,
+                    loss=r.loss,
+                    reward_mean=r.reward_mean,
+                    reward_std=r.reward_std,
+                    tokens=r.tokens,
+                    duration_s=r.duration_s,
+                    metrics=r.metrics or {},
+                    error=r.error,
+                )
+                for r in rows
+            ]

@@ -1,0 +1,152 @@
+"""Decide when a run trains, enqueue the step, and hot-swap finished versions into serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from celery import Celery
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.services.backends import BackendPool
+from gateway.store import repo
+from gateway.store.models import Episode, Run, TrainStep
+from trainer.config import RunConfig
+from trainer.submit import submit_train_step
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILED_ATTEMPTS = 3
+
+
+class TrainingScheduler:
+    """Enqueues at most one step per run at a time, as soon as a full batch is ready.
+
+    The step row (run, step) is the lock: its primary key makes a second
+    enqueue of the same step fail, and its status says whether one is in flight.
+    """
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], celery: Celery) -> None:
+        self.sessions = sessions
+        self.celery = celery
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def maybe_schedule(self, run_id: str) -> int | None:
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            try:
+                step = await self._claim(run_id)
+            except IntegrityError:
+                return None  # another gateway process claimed this step
+            if step is None:
+                return None
+            try:
+                await asyncio.to_thread(submit_train_step, self.celery, run_id, step)
+            except Exception:
+                logger.exception("could not enqueue step %d of %s; releasing it", step, run_id)
+                await self._release(run_id, step)
+                return None
+            logger.info("enqueued step %d of run %s", step, run_id)
+            return step
+
+    async def _claim(self, run_id: str) -> int | None:
+        async with self.sessions.begin() as s:
+            run = await s.get(Run, run_id)
+            if run is None or run.status != "active" or await repo.step_in_flight(s, run_id):
+                return None
+            cfg = RunConfig.model_validate(run.config)
+            batch = await repo.select_batch(s, run, cfg)
+            if not batch:
+                return None
+            step = run.current_version
+            n_groups = len({e.group_id for e in batch})
+            row = await s.get(TrainStep, (run_id, step))
+            if row is None:
+                row = TrainStep(run_id=run_id, step=step, metrics={})
+                s.add(row)
+            else:  # a failed attempt: retry it with a fresh batch, counting attempts
+                repo.bump_counter(run, "failed_step_attempts")
+                if int(run.counters.get("failed_step_attempts", 0)) >= MAX_FAILED_ATTEMPTS:
+                    run.status = "failed"
+                    logger.error(
+                        "run %s failed %d times at step %d", run_id, MAX_FAILED_ATTEMPTS, step
+                    )
+                    return None
+            row.status, row.n_episodes, row.n_groups, row.error = (
+                "queued",
+                len(batch),
+                n_groups,
+                None,
+            )
+            await s.flush()
+            await repo.mark_queued(s, run_id, batch, step)
+            return step
+
+    async def _release(self, run_id: str, step: int) -> None:
+        async with self.sessions.begin() as s:
+            await s.execute(
+                update(Episode)
+                .where(Episode.run_id == run_id, Episode.train_step == step)
+                .values(status="rewarded", train_step=None)
+            )
+            row = await s.get(TrainStep, (run_id, step))
+            if row is not None:
+                await s.delete(row)
+
+    async def active_runs(self) -> list[str]:
+        async with self.sessions() as s:
+            return list((await s.execute(select(Run.id).where(Run.status == "active"))).scalars())
+
+
+class WeightSync:
+    """Brings every loaded backend to its run's newest version.
+
+    Ordering contract: the trainer commits version N+1 (checkpoint written,
+    `runs.current_version` bumped, step marked done) in one transaction before
+    anything here sees it. This loop then calls `backend.load_weights`, which
+    lets in-flight generations finish on version N and starts every later one
+    on N+1; each stored completion records the version its backend reported,
+    i.e. the one that sampled all of its tokens. Between the commit and the
+    load, new completions are still sampled by N (at most one version behind;
+    the staleness bound counts them like any other sample).
+    """
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        scheduler: TrainingScheduler,
+        interval_s: float,
+    ) -> None:
+        self.sessions = sessions
+        self.pool = pool
+        self.scheduler = scheduler
+        self.interval_s = interval_s
+
+    async def sync_once(self) -> None:
+        for run_id, serving in self.pool.loaded().items():
+            async with self.sessions() as s:
+                run = await s.get(Run, run_id)
+                if run is None or run.current_version <= serving.backend.version:
+                    continue
+                target = run.current_version
+                ckpt = await repo.checkpoint_of(s, run_id, target)
+            if ckpt is None:
+                continue
+            await serving.backend.load_weights(Path(ckpt), target)
+            logger.info("run %s now serves version %d", run_id, target)
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+                for run_id in await self.scheduler.active_runs():
+                    await self.scheduler.maybe_schedule(run_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("weight sync pass failed; retrying")
+            await asyncio.sleep(self.interval_s)

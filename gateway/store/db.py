@@ -1,0 +1,43 @@
+"""Engines for the store: async for the gateway, sync for the trainer and migrations."""
+
+from __future__ import annotations
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+def normalize_url(url: str, *, asynchronous: bool) -> str:
+    """Pick the driver: aiosqlite/sqlite3 for SQLite, psycopg (v3, both modes) for PostgreSQL."""
+    u = make_url(url)
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        u = u.set(drivername="sqlite+aiosqlite" if asynchronous else "sqlite")
+    elif backend == "postgresql":
+        u = u.set(drivername="postgresql+psycopg")
+    else:
+        raise ValueError(f"unsupported database URL {url!r}: use sqlite:/// or postgresql://")
+    return u.render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    # WAL lets the gateway read while the trainer writes; busy_timeout waits instead of failing.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def make_sync_engine(url: str) -> Engine:
+    engine = create_engine(normalize_url(url, asynchronous=False), pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def make_async_engine(url: str) -> AsyncEngine:
+    engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine

@@ -1,0 +1,142 @@
+"""SQLAlchemy 2 models. The Alembic migrations in `migrations/` create these tables."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from gateway.store.types import FloatArray, IntArray
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(500))  # alias or path as given
+    model_path: Mapped[str] = mapped_column(String(1000))  # resolved HF directory
+    backend: Mapped[str] = mapped_column(String(20), default="local")
+    status: Mapped[str] = mapped_column(String(20), default="active")
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    current_version: Mapped[int] = mapped_column(Integer, default=0)
+    counters: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(20), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_versions"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_path: Mapped[str] = mapped_column(String(1000))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Episode(Base):
+    """One attempt at a task. Ids are chosen by the caller, so they are unique per run only."""
+
+    __tablename__ = "episodes"
+    __table_args__ = (Index("ix_episodes_run_status", "run_id", "status"),)
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    group_id: Mapped[str] = mapped_column(String(100))
+    # open -> rewarded -> queued -> trained; or dropped (stale, zero-variance group)
+    status: Mapped[str] = mapped_column(String(20), default="open")
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)
+    train_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    rewarded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Completion(Base):
+    __tablename__ = "completions"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["run_id", "episode_id"], ["episodes.run_id", "episodes.id"], ondelete="CASCADE"
+        ),
+        Index("ix_completions_run_episode", "run_id", "episode_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    episode_id: Mapped[str] = mapped_column(String(100))
+    parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    messages: Mapped[list[Any]] = mapped_column(JSON)
+    prompt_token_ids: Mapped[list[int]] = mapped_column(IntArray)
+    output_token_ids: Mapped[list[int]] = mapped_column(IntArray)
+    output_logprobs: Mapped[list[float]] = mapped_column(FloatArray)
+    content: Mapped[str] = mapped_column(Text)
+    finish_reason: Mapped[str] = mapped_column(String(20))
+    temperature: Mapped[float] = mapped_column(Float)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Reward(Base):
+    """Every acknowledged reward post, as received (the audit trail)."""
+
+    __tablename__ = "rewards"
+    __table_args__ = (UniqueConstraint("run_id", "idempotency_key", name="uq_rewards_idem"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    completion_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    episode_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    value: Mapped[float] = mapped_column(Float)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TrainStep(Base):
+    __tablename__ = "train_steps"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)  # trains version step -> step+1
+    # queued -> running -> done | failed
+    status: Mapped[str] = mapped_column(String(20), default="queued")
+    n_episodes: Mapped[int] = mapped_column(Integer, default=0)
+    n_groups: Mapped[int] = mapped_column(Integer, default=0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reward_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reward_std: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    duration_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

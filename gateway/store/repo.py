@@ -1,0 +1,143 @@
+"""Data access for the gateway: small async functions over an AsyncSession."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from datetime import UTC, datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.store.models import (
+    ApiKey,
+    Completion,
+    Episode,
+    PolicyVersion,
+    Run,
+    TrainStep,
+)
+
+
+async def run_for_key_hash(session: AsyncSession, key_hash: str) -> Run | None:
+    stmt = (
+        select(Run)
+        .join(ApiKey, ApiKey.run_id == Run.id)
+        .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+    )
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def get_or_create_episode(
+    session: AsyncSession, run_id: str, episode_id: str, group_id: str | None
+) -> Episode:
+    ep = await session.get(Episode, (run_id, episode_id))
+    if ep is None:
+        ep = Episode(run_id=run_id, id=episode_id, group_id=group_id or episode_id, status="open")
+        session.add(ep)
+        await session.flush()
+    return ep
+
+
+async def checkpoint_of(session: AsyncSession, run_id: str, version: int) -> str | None:
+    pv = await session.get(PolicyVersion, (run_id, version))
+    return pv.checkpoint_path if pv else None
+
+
+async def step_in_flight(session: AsyncSession, run_id: str) -> bool:
+    stmt = select(func.count()).where(
+        TrainStep.run_id == run_id, TrainStep.status.in_(("queued", "running"))
+    )
+    return (await session.execute(stmt)).scalar_one() > 0
+
+
+def bump_counter(run: Run, name: str, by: int = 1) -> None:
+    counters = dict(run.counters or {})
+    counters[name] = int(counters.get(name, 0)) + by
+    run.counters = counters  # reassign: JSON columns do not track in-place edits
+
+
+async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
+    """An episode is ready ("rewarded") once it has an episode reward or all turns have one."""
+    if ep.status != "open":
+        return
+    rewards = (
+        (
+            await session.execute(
+                select(Completion.reward).where(
+                    Completion.run_id == ep.run_id, Completion.episode_id == ep.id
+                )
+            )
+        )
+        .scalars()
+        .all()
+    )
+    if ep.reward is None and rewards and all(r is not None for r in rewards):
+        ep.reward = float(sum(rewards))
+    if ep.reward is not None:
+        ep.status = "rewarded"
+        ep.rewarded_at = datetime.now(UTC)
+
+
+async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
+    """Pick the groups for the next step, dropping (and counting) what must not train.
+
+    Stale: an episode any of whose completions was sampled more than
+    `max_staleness` versions before the current one. Zero-variance: a ready
+    group whose rewards are all equal gives every token zero advantage.
+    Returns [] when fewer than `groups_per_step` good groups are ready.
+    """
+    eps = (
+        (
+            await session.execute(
+                select(Episode).where(
+                    Episode.run_id == run.id, Episode.status.in_(("open", "rewarded"))
+                )
+            )
+        )
+        .scalars()
+        .all()
+    )
+    if not eps:
+        return []
+    oldest = dict(
+        (
+            await session.execute(
+                select(Completion.episode_id, func.min(Completion.policy_version))
+                .where(Completion.run_id == run.id, Completion.episode_id.in_([e.id for e in eps]))
+                .group_by(Completion.episode_id)
+            )
+        ).all()
+    )
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for ep in eps:
+        groups[ep.group_id].append(ep)
+    ready: list[list[Episode]] = []
+    for members in sorted(groups.values(), key=lambda m: min(e.created_at for e in m)):
+        if any(e.status != "rewarded" for e in members) or len(members) < cfg.group_size:
+            continue
+        floor = run.current_version - cfg.max_staleness
+        if any(oldest.get(e.id, run.current_version) < floor for e in members):
+            for e in members:
+                e.status = "dropped"
+            bump_counter(run, "dropped_stale_episodes", len(members))
+            continue
+        if statistics.pstdev([float(e.reward) for e in members]) == 0.0:
+            for e in members:
+                e.status = "dropped"
+            bump_counter(run, "skipped_zero_variance_groups")
+            continue
+        ready.append(members)
+    if len(ready) < cfg.groups_per_step:
+        return []
+    return [e for members in ready[: cfg.groups_per_step] for e in members]
+
+
+async def mark_queued(
+    session: AsyncSession, run_id: str, episodes: list[Episode], step: int
+) -> None:
+    await session.execute(
+        update(Episode)
+        .where(Episode.run_id == run_id, Episode.id.in_([e.id for e in episodes]))
+        .values(status="queued", train_step=step)
+    )

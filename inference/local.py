@@ -1,0 +1,216 @@
+"""In-process transformers backend: one worker thread batches concurrent requests.
+
+Ordering contract for hot swap: `load_weights` is queued behind the batch
+that is generating; that batch finishes on the old weights, the new state
+dict is copied in place, and every later batch reports the new version. A
+completion therefore never mixes tokens from two versions, and the version it
+reports is the one that produced all its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference.backend import BackendError
+from inference.sampling import sample_row
+from inference.types import GenerateRequest, GenerateResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request: GenerateRequest
+    future: Future
+
+
+@dataclass
+class _Swap:
+    checkpoint_dir: Path
+    version: int
+    future: Future
+
+
+class LocalBackend:
+    """Serves a Hugging Face causal LM from `model_dir` on the CPU (or a given device)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        version: int = 0,
+        max_batch_size: int = 32,
+        batch_wait_s: float = 0.01,
+        device: str = "cpu",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.to(self.device).eval()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self._version = version
+        self._queue: queue.Queue[_Job | _Swap | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_context(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await asyncio.wrap_future(self._submit(_Job(request, Future())))
+
+    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+        await asyncio.wrap_future(self._submit(_Swap(Path(checkpoint_dir), version, Future())))
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def _submit(self, item: _Job | _Swap) -> Future:
+        if self._closed:
+            raise BackendError("local backend is closed")
+        self._queue.put(item)
+        return item.future
+
+    # --- worker thread -------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, _Swap):
+                self._swap(item)
+                continue
+            batch = [item]
+            deferred: list[_Swap | None] = []
+            try:
+                while len(batch) < self.max_batch_size:
+                    nxt = self._queue.get(timeout=self.batch_wait_s)
+                    if isinstance(nxt, _Job):
+                        batch.append(nxt)
+                    else:  # a swap or shutdown waits for this batch to finish
+                        deferred.append(nxt)
+                        break
+            except queue.Empty:
+                pass
+            self._run_batch(batch)
+            for d in deferred:
+                if d is None:
+                    return
+                self._swap(d)
+
+    def _swap(self, swap: _Swap) -> None:
+        if swap.future.set_running_or_notify_cancel():
+            try:
+                from safetensors.torch import load_file
+
+                state: dict[str, torch.Tensor] = {}
+                for shard in sorted(swap.checkpoint_dir.glob("*.safetensors")):
+                    state.update(load_file(shard, device=str(self.device)))
+                if not state:
+                    raise BackendError(f"no safetensors in {swap.checkpoint_dir}")
+                with torch.no_grad():
+                    self.model.load_state_dict(state, strict=True)
+                self._version = swap.version
+                logger.info("now serving version %d from %s", swap.version, swap.checkpoint_dir)
+                swap.future.set_result(None)
+            except Exception as exc:  # the swap fails, the old weights keep serving
+                logger.exception("weight load failed")
+                swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        if not jobs:
+            return
+        try:
+            results = self._generate_batch([j.request for j in jobs])
+        except Exception as exc:
+            logger.exception("batch generation failed")
+            for j in jobs:
+                j.future.set_exception(BackendError(f"generation failed: {exc}"))
+            return
+        for j, r in zip(jobs, results, strict=True):
+            j.future.set_result(r)
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Left-padded batched decoding with a KV cache; each row samples with its own params."""
+        version = self._version
+        width = max(len(r.prompt_token_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, r in enumerate(requests):
+            n = len(r.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+            mask[row, width - n :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [self._generator(r) for r in requests]
+        out_ids: list[list[int]] = [[] for _ in requests]
+        out_lps: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        max_new = max(r.params.max_tokens for r in requests)
+        cache = None
+        step_ids, step_pos = ids, positions
+        for _ in range(max_new):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+            next_ids = []
+            for row, r in enumerate(requests):
+                if finish[row] is not None:
+                    next_ids.append(self.pad_id)
+                    continue
+                token, lp = sample_row(logits[row], r.params, generators[row])
+                out_ids[row].append(token)
+                out_lps[row].append(lp)
+                if token in r.params.stop_token_ids:
+                    finish[row] = "stop"
+                elif len(out_ids[row]) >= r.params.max_tokens:
+                    finish[row] = "length"
+                next_ids.append(token)
+            if all(f is not None for f in finish):
+                break
+            step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return [
+            GenerateResult(o, lp, f or "length", version)
+            for o, lp, f in zip(out_ids, out_lps, finish, strict=True)
+        ]
+
+    @staticmethod
+    def _generator(request: GenerateRequest) -> torch.Generator | None:
+        if request.params.seed is None:
+            return None
+        return torch.Generator().manual_seed(request.params.seed)

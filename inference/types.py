@@ -1,0 +1,50 @@
+"""Small value types shared by the gateway, the backends and the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    `temperature` also defines the distribution whose log-probabilities are
+    reported: logprobs are taken from softmax(logits / temperature) before any
+    top-p truncation, so the trainer can recompute them exactly.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What the backend sampled, token-exact.
+
+    `output_token_ids` include the stop token when generation ended on one
+    (the model must learn to emit it); `output_logprobs[i]` is the
+    log-probability of `output_token_ids[i]` under the sampling distribution;
+    `policy_version` is the weight version that produced every token.
+    """
+
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        if len(self.output_token_ids) != len(self.output_logprobs):
+            raise ValueError("output_token_ids and output_logprobs differ in length")

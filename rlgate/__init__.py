@@ -1,0 +1,3 @@
+"""rlgate: reinforcement learning as an API for existing OpenAI-compatible agents."""
+
+__version__ = "0.1.0"

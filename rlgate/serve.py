@@ -1,0 +1,28 @@
+"""Run the gateway under uvicorn with Settings from the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from gateway.app import create_app
+from rlgate.settings import Settings
+
+
+def serve(settings: Settings, host: str, port: int) -> None:
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="rlgate gateway")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(Settings(), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Start the embedded stack's processes: the gateway (uvicorn) and a Celery worker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from rlgate.settings import Settings
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a child process build the same Settings."""
+    env = dict(os.environ)
+    for name, value in settings.model_dump().items():
+        key = "RLGATE_" + name.upper()
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+def start_worker(settings: Settings, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.worker"],
+        env=settings_env(settings),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+    )
+
+
+def start_gateway(
+    settings: Settings, host: str, port: int, log: Path | None = None
+) -> subprocess.Popen:
+    out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlgate.serve", "--host", host, "--port", str(port)],
+        env=settings_env(settings),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iterator[str]:
+    """Gateway and worker as child processes; yields the gateway URL once healthy."""
+    logs.mkdir(parents=True, exist_ok=True)
+    worker = start_worker(settings, logs / "worker.log")
+    gateway = start_gateway(settings, host, port, logs / "gateway.log")
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(url, gateway)
+        yield url
+    finally:
+        stop(gateway)
+        stop(worker)

@@ -1,0 +1,1 @@
+"""rlgate's trainer: Celery tasks, batch assembly, advantages, losses, engine, checkpoints."""

@@ -1,0 +1,37 @@
+"""GRPO group-normalised advantages.
+
+For a group of G episodes with rewards r_1..r_G (same task, same policy):
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)
+
+`std` is the population standard deviation (divide by G), as in the GRPO
+paper (Shao et al., 2024, "DeepSeekMath"). A zero-variance group gives every
+member A = 0 (the scheduler skips such groups before they reach here, and
+counts them). Every token an episode sampled gets its episode's advantage.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def grpo_advantages(
+    rewards: list[float], group_ids: list[str], eps: float = 1e-6, normalize_std: bool = True
+) -> list[float]:
+    """One advantage per episode, normalised within its group."""
+    if len(rewards) != len(group_ids):
+        raise ValueError("rewards and group_ids differ in length")
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        centred = r - r.mean()
+        if normalize_std:
+            centred = centred / (r.std(unbiased=False) + eps)
+        for i, a in zip(idx, centred.tolist(), strict=True):
+            out[i] = a
+    return out

@@ -1,0 +1,43 @@
+"""Build the Celery app from a QueueConfig; nothing is created at import time.
+
+Embedded default: kombu's filesystem transport. It needs no server, survives
+restarts (messages are files under the data directory) and still runs the
+real task code in a real `celery worker` process. Production: Redis as broker
+and result backend.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from trainer.config import QueueConfig
+
+TRAIN_STEP_TASK = "rlgate.train_step"
+
+
+def make_celery(cfg: QueueConfig) -> Celery:
+    app = Celery("rlgate", broker=cfg.resolved_broker(), backend=cfg.resolved_backend())
+    conf = {
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_default_queue": cfg.queue_name,
+        "task_routes": {TRAIN_STEP_TASK: {"queue": cfg.queue_name}},
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+    }
+    if cfg.resolved_broker().startswith("filesystem"):
+        folder = cfg.data_dir.resolve() / "celery-broker"
+        (folder / "processed").mkdir(parents=True, exist_ok=True)
+        (cfg.data_dir.resolve() / "celery-results").mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "processed_folder": str(folder / "processed"),
+            "store_processed": False,
+        }
+    app.conf.update(conf)
+    return app

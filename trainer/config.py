@@ -1,0 +1,53 @@
+"""Typed configuration for a run's algorithm and for the Celery queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class RunConfig(BaseModel):
+    """Per-run knobs, stored with the run and read by the scheduler and the trainer."""
+
+    group_size: int = Field(4, ge=2, description="episodes per GRPO group (>= 2 to normalise)")
+    groups_per_step: int = Field(8, ge=1, description="groups in one optimizer step")
+    max_staleness: int = Field(
+        1, ge=0, description="drop samples more than this many versions older than current"
+    )
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1")
+    clip_eps_high: float = Field(0.2, gt=0, description="PPO clip above 1 (DAPO raises it)")
+    adv_eps: float = Field(1e-6, gt=0, description="added to the group std")
+    micro_batch_size: int = Field(8, ge=1)
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    keep_checkpoints: int = Field(2, ge=1, description="newest versions kept on disk (v0 kept)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.micro_batch_size > self.group_size * self.groups_per_step:
+            raise ValueError("micro_batch_size exceeds the batch: lower micro_batch_size")
+        return self
+
+
+class QueueConfig(BaseModel):
+    """Where train steps are queued. Empty broker URL: the embedded filesystem broker."""
+
+    broker_url: str = ""
+    result_backend: str = ""
+    data_dir: Path = Path("rlgate-data")
+    queue_name: str = "train"
+
+    def resolved_broker(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    def resolved_backend(self) -> str:
+        if self.result_backend:
+            return self.result_backend
+        if self.broker_url.startswith("redis"):
+            return self.broker_url
+        return f"file://{(self.data_dir / 'celery-results').resolve()}"

@@ -1,0 +1,148 @@
+"""The `train_step` Celery task: one optimizer step from version N to N+1, exactly once.
+
+Idempotent by (run, step): a step already done returns at once, and the
+version bump is a conditional update (`current_version == step`), so a
+retried or duplicated task can never advance the run twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from gateway.store.db import make_sync_engine
+from gateway.store.models import Episode, PolicyVersion, Run, TrainStep
+from rlgate.settings import Settings
+from trainer.batch import load_step_samples
+from trainer.celery_app import TRAIN_STEP_TASK
+from trainer.config import RunConfig
+from trainer.engine import LocalEngine
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Holds the store connection and one warm engine per run inside a worker process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
+        self.engines: dict[str, LocalEngine] = {}
+
+    def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> LocalEngine:
+        """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
+
+        A fresh engine starts with a new AdamW state (the optimizer state is
+        not checkpointed yet); the weights are exactly version N's.
+        """
+        engine = self.engines.get(run.id)
+        if engine is not None and engine.version == run.current_version:
+            return engine
+        pv = session.get(PolicyVersion, (run.id, run.current_version))
+        if pv is None:
+            raise RuntimeError(f"run {run.id} has no checkpoint for version {run.current_version}")
+        engine = LocalEngine(Path(pv.checkpoint_path), run.current_version, cfg)
+        self.engines[run.id] = engine
+        return engine
+
+    def train_step(self, run_id: str, step: int) -> dict[str, Any]:
+        with self.sessions.begin() as s:
+            row = s.get(TrainStep, (run_id, step))
+            run = s.get(Run, run_id)
+            if row is None or run is None:
+                raise RuntimeError(f"no step {step} for run {run_id}")
+            if row.status == "done" or run.current_version > step:
+                return {"run_id": run_id, "step": step, "version": step + 1, "skipped": True}
+            row.status = "running"
+        try:
+            return self._train(run_id, step)
+        except Exception as exc:
+            logger.exception("step %d of run %s failed", step, run_id)
+            self.engines.pop(run_id, None)
+            self._fail(run_id, step, exc)
+            raise
+
+    def _train(self, run_id: str, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with self.sessions() as s:
+            run = s.get(Run, run_id)
+            cfg = RunConfig.model_validate(run.config)
+            samples, rewards, groups = load_step_samples(s, run_id, step, cfg.adv_eps)
+            if not samples:
+                raise RuntimeError(f"step {step} of run {run_id} has no samples")
+            engine = self.engine_for(run, cfg, s)
+            model_path = Path(run.model_path)
+        metrics = engine.step(samples)
+        out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        engine.save(out, model_path)
+        versions = [s.policy_version for s in samples]
+        metrics |= {
+            "staleness_max": float(step - min(versions)),
+            "staleness_mean": float(step - statistics.fmean(versions)),
+        }
+        duration = time.perf_counter() - t0
+        with self.sessions.begin() as s:
+            bumped = s.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.current_version == step)
+                .values(current_version=step + 1)
+            ).rowcount
+            if bumped != 1:
+                raise RuntimeError(f"run {run_id} moved past version {step} during the step")
+            s.add(PolicyVersion(run_id=run_id, version=step + 1, checkpoint_path=str(out)))
+            s.execute(
+                update(Episode)
+                .where(Episode.run_id == run_id, Episode.train_step == step)
+                .values(status="trained")
+            )
+            row = s.get(TrainStep, (run_id, step))
+            row.status = "done"
+            row.loss = metrics["loss"]
+            row.reward_mean = statistics.fmean(rewards)
+            row.reward_std = statistics.pstdev(rewards)
+            row.tokens = int(metrics["tokens"])
+            row.duration_s = duration
+            row.metrics = metrics
+            row.finished_at = datetime.now(UTC)
+        self._prune(run_id, step + 1, cfg.keep_checkpoints)
+        logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
+        return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
+
+    def _fail(self, run_id: str, step: int, exc: Exception) -> None:
+        """Mark the step failed and hand its episodes back, so the scheduler can retry it."""
+        with self.sessions.begin() as s:
+            row = s.get(TrainStep, (run_id, step))
+            if row is not None and row.status != "done":
+                row.status = "failed"
+                row.error = f"{type(exc).__name__}: {exc}"[:2000]
+                s.execute(
+                    update(Episode)
+                    .where(Episode.run_id == run_id, Episode.train_step == step)
+                    .values(status="rewarded", train_step=None)
+                )
+
+    def _prune(self, run_id: str, newest: int, keep: int) -> None:
+        """Delete checkpoints older than the newest `keep` (version 0 is the base model)."""
+        root = self.settings.checkpoints_dir / run_id
+        for v in range(1, newest - keep + 1):
+            shutil.rmtree(root / f"v{v}", ignore_errors=True)
+
+
+def register_tasks(app: Celery, settings: Settings) -> Trainer:
+    trainer = Trainer(settings)
+
+    @app.task(name=TRAIN_STEP_TASK, bind=True, acks_late=True)
+    def train_step(self, run_id: str, step: int) -> dict[str, Any]:
+        return trainer.train_step(run_id, step)
+
+    return trainer
