@@ -76,7 +76,7 @@ class Trainer:
         with self.sessions() as s:
             run = s.get(Run, run_id)
             cfg = RunConfig.model_validate(run.config)
-            samples, rewards, groups = load_step_samples(s, run_id, step, cfg.adv_eps)
+            samples, rewards, _groups = load_step_samples(s, run_id, step, cfg.adv_eps)
             if not samples:
                 raise RuntimeError(f"step {step} of run {run_id} has no samples")
             engine = self.engine_for(run, cfg, s)
