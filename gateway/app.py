@@ -41,7 +41,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         sessions = async_sessionmaker(engine, expire_on_commit=False)
         pool = BackendPool(max_batch_size=settings.max_batch_size)
         celery = make_celery(settings.queue())
-        scheduler = TrainingScheduler(sessions, celery)
+        scheduler = TrainingScheduler(sessions, celery, settings.step_timeout_s)
         sync = WeightSync(sessions, pool, scheduler, settings.sync_interval_s)
         app.state.settings = settings
         app.state.admin_key = settings.resolved_admin_key()

@@ -158,8 +158,9 @@ class RewardRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_target(self) -> RewardRequest:
-        if (self.completion_id is None) == (self.episode_id is None):
-            raise ValueError("give exactly one of completion_id or episode_id")
+        # Neither is allowed here: under /episodes/{id}/v1 the path names the episode.
+        if self.completion_id is not None and self.episode_id is not None:
+            raise ValueError("give one of completion_id or episode_id, not both")
         return self
 
 

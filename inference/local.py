@@ -47,7 +47,7 @@ class LocalBackend:
         model_dir: Path,
         version: int = 0,
         max_batch_size: int = 32,
-        batch_wait_s: float = 0.01,
+        batch_wait_s: float = 0.05,
         device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, description="larger request bodies get 413")
     max_batch_size: int = Field(32, ge=1, description="local backend batch size")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
+    step_timeout_s: float = Field(
+        1800.0, gt=0, description="resend a train step queued or running longer than this"
+    )
 
     @property
     def resolved_database_url(self) -> str:

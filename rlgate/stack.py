@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,13 @@ from pathlib import Path
 import httpx
 
 from rlgate.settings import Settings
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now on `host` (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -73,8 +81,12 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
 
 @contextlib.contextmanager
 def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iterator[str]:
-    """Gateway and worker as child processes; yields the gateway URL once healthy."""
+    """Gateway and worker as child processes; yields the gateway URL once healthy.
+
+    Port 0 picks a free port.
+    """
     logs.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
     worker = start_worker(settings, logs / "worker.log")
     gateway = start_gateway(settings, host, port, logs / "gateway.log")
     url = f"http://{host}:{port}"

@@ -38,6 +38,8 @@ def make_celery(cfg: QueueConfig) -> Celery:
             "data_folder_out": str(folder),
             "processed_folder": str(folder / "processed"),
             "store_processed": False,
+            # kombu's default is ./control in the working directory
+            "control_folder": str(folder / "control"),
         }
     app.conf.update(conf)
     return app

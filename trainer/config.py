@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RunConfig(BaseModel):
     """Per-run knobs, stored with the run and read by the scheduler and the trainer."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo in a knob is an error, not a default
 
     group_size: int = Field(4, ge=2, description="episodes per GRPO group (>= 2 to normalise)")
     groups_per_step: int = Field(8, ge=1, description="groups in one optimizer step")

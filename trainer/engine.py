@@ -97,7 +97,8 @@ class LocalEngine:
             "tokens": float(n_tokens),
             "tokens_total": float(sum(len(s.input_ids) for s in samples)),
             "train_seconds": seconds,
-            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+            # every position is forwarded and back-propagated, prompt included
+            "tokens_per_s": sum(len(s.input_ids) for s in samples) / seconds if seconds else 0.0,
             "ratio_max": ratio_max,
             **sums,
         }

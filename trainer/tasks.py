@@ -112,7 +112,7 @@ class Trainer:
             row.reward_std = statistics.pstdev(rewards)
             row.tokens = int(metrics["tokens"])
             row.duration_s = duration
-            row.metrics = metrics
+            row.metrics = {**metrics, "attempts": (row.metrics or {}).get("attempts", 1)}
             row.finished_at = datetime.now(UTC)
         self._prune(run_id, step + 1, cfg.keep_checkpoints)
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
@@ -125,6 +125,7 @@ class Trainer:
             if row is not None and row.status != "done":
                 row.status = "failed"
                 row.error = f"{type(exc).__name__}: {exc}"[:2000]
+                row.metrics = {"attempts": (row.metrics or {}).get("attempts", 1)}
                 s.execute(
                     update(Episode)
                     .where(Episode.run_id == run_id, Episode.train_step == step)

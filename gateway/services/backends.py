@@ -49,7 +49,9 @@ class BackendPool:
         if backend != "local":
             raise ValueError(f"backend {backend!r} is not available in this gateway")
         # Serve the newest checkpoint directly, so a restarted gateway resumes at its version.
-        source = ckpt if ckpt is not None and ckpt.is_dir() else model_dir
+        source = ckpt if ckpt is not None else model_dir
+        if not source.is_dir():
+            raise OSError(f"checkpoint {source} of version {version} is missing")
         be = LocalBackend(source, version=version, max_batch_size=self.max_batch_size)
         logger.info("loaded %s (version %d) for serving", source, version)
         return RunServing(be, ChatTemplate(model_dir), be.max_context)

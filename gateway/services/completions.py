@@ -41,6 +41,17 @@ class EpisodeRef:
     group_id: str | None = None
 
 
+MAX_ID_LENGTH = 100
+
+
+def _checked_id(value: str, param: str) -> str:
+    if not 0 < len(value) <= MAX_ID_LENGTH:
+        raise InvalidRequest(f"{param} must be 1 to {MAX_ID_LENGTH} characters", param=param)
+    if value.startswith("~"):
+        raise InvalidRequest(f"{param} may not start with '~' (reserved)", param=param)
+    return value
+
+
 class ChatService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], pool: BackendPool) -> None:
         self.sessions = sessions
@@ -62,6 +73,13 @@ class ChatService:
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
+        meta = req.metadata or {}
+        episode_id = _checked_id(
+            ref.episode_id or meta.get("episode_id") or "ep-" + uuid.uuid4().hex, "episode_id"
+        )
+        group_id = ref.group_id or meta.get("group_id")
+        if group_id is not None:
+            _checked_id(group_id, "group_id")
         serving = await self.serving(run)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -98,9 +116,6 @@ class ChatService:
         text = serving.template.decode(result.output_token_ids)
 
         completion_id = "chatcmpl-" + uuid.uuid4().hex
-        meta = req.metadata or {}
-        episode_id = ref.episode_id or meta.get("episode_id") or "ep-" + uuid.uuid4().hex
-        group_id = ref.group_id or meta.get("group_id")
         row = Completion(
             id=completion_id,
             run_id=run.id,

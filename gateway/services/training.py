@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 
 from celery import Celery
@@ -11,7 +12,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.services.backends import BackendPool
+from gateway.services.backends import BackendPool, RunServing
 from gateway.store import repo
 from gateway.store.models import Episode, Run, TrainStep
 from trainer.config import RunConfig
@@ -19,7 +20,7 @@ from trainer.submit import submit_train_step
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILED_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # per step, before the run is marked failed
 
 
 class TrainingScheduler:
@@ -29,34 +30,64 @@ class TrainingScheduler:
     enqueue of the same step fail, and its status says whether one is in flight.
     """
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], celery: Celery) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        celery: Celery,
+        step_timeout_s: float = 1800.0,
+    ) -> None:
         self.sessions = sessions
         self.celery = celery
+        self.step_timeout_s = step_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def maybe_schedule(self, run_id: str) -> int | None:
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             try:
-                step = await self._claim(run_id)
+                claim = await self._claim(run_id)
             except IntegrityError:
                 return None  # another gateway process claimed this step
-            if step is None:
+            if claim is None:
                 return None
+            step, resend = claim
             try:
                 await asyncio.to_thread(submit_train_step, self.celery, run_id, step)
             except Exception:
-                logger.exception("could not enqueue step %d of %s; releasing it", step, run_id)
-                await self._release(run_id, step)
+                logger.exception("could not enqueue step %d of %s", step, run_id)
+                if not resend:
+                    await self._release(run_id, step)
                 return None
             logger.info("enqueued step %d of run %s", step, run_id)
             return step
 
-    async def _claim(self, run_id: str) -> int | None:
+    async def _claim(self, run_id: str) -> tuple[int, bool] | None:
+        """(step, resend): a new step to enqueue, or an in-flight one whose task went quiet.
+
+        A step queued or running for longer than `step_timeout_s` is sent
+        again under the same task id (its worker may have died: the embedded
+        broker has already consumed the message). The task is idempotent, so
+        a slow but alive first attempt and the resend cannot both bump the version.
+        """
+        now = datetime.now(UTC)
         async with self.sessions.begin() as s:
             run = await s.get(Run, run_id)
-            if run is None or run.status != "active" or await repo.step_in_flight(s, run_id):
+            if run is None or run.status != "active":
                 return None
+            flight = await repo.step_in_flight(s, run_id)
+            if flight is not None:
+                since = repo.as_utc(flight.enqueued_at or flight.created_at)
+                if (now - since).total_seconds() < self.step_timeout_s:
+                    return None
+                flight.enqueued_at = now
+                flight.metrics = {
+                    **(flight.metrics or {}),
+                    "resent": (flight.metrics or {}).get("resent", 0) + 1,
+                }
+                logger.warning(
+                    "step %d of run %s went quiet; sending it again", flight.step, run_id
+                )
+                return flight.step, True
             cfg = RunConfig.model_validate(run.config)
             batch = await repo.select_batch(s, run, cfg)
             if not batch:
@@ -65,16 +96,16 @@ class TrainingScheduler:
             n_groups = len({e.group_id for e in batch})
             row = await s.get(TrainStep, (run_id, step))
             if row is None:
-                row = TrainStep(run_id=run_id, step=step, metrics={})
+                row = TrainStep(run_id=run_id, step=step, metrics={"attempts": 1})
                 s.add(row)
-            else:  # a failed attempt: retry it with a fresh batch, counting attempts
-                repo.bump_counter(run, "failed_step_attempts")
-                if int(run.counters.get("failed_step_attempts", 0)) >= MAX_FAILED_ATTEMPTS:
+            else:  # a failed attempt: retry it with a fresh batch, counting attempts per step
+                attempts = int((row.metrics or {}).get("attempts", 1))
+                if attempts >= MAX_ATTEMPTS:
                     run.status = "failed"
-                    logger.error(
-                        "run %s failed %d times at step %d", run_id, MAX_FAILED_ATTEMPTS, step
-                    )
+                    logger.error("run %s: step %d failed %d times", run_id, step, attempts)
                     return None
+                row.metrics = {"attempts": attempts + 1}
+            row.enqueued_at = now
             row.status, row.n_episodes, row.n_groups, row.error = (
                 "queued",
                 len(batch),
@@ -83,7 +114,7 @@ class TrainingScheduler:
             )
             await s.flush()
             await repo.mark_queued(s, run_id, batch, step)
-            return step
+            return step, False
 
     async def _release(self, run_id: str, step: int) -> None:
         async with self.sessions.begin() as s:
@@ -128,16 +159,22 @@ class WeightSync:
 
     async def sync_once(self) -> None:
         for run_id, serving in self.pool.loaded().items():
-            async with self.sessions() as s:
-                run = await s.get(Run, run_id)
-                if run is None or run.current_version <= serving.backend.version:
-                    continue
-                target = run.current_version
-                ckpt = await repo.checkpoint_of(s, run_id, target)
-            if ckpt is None:
-                continue
-            await serving.backend.load_weights(Path(ckpt), target)
-            logger.info("run %s now serves version %d", run_id, target)
+            try:
+                await self._sync_run(run_id, serving)
+            except Exception:  # one run's failed load must not stop the others
+                logger.exception("hot swap for run %s failed; will retry", run_id)
+
+    async def _sync_run(self, run_id: str, serving: RunServing) -> None:
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None or run.current_version <= serving.backend.version:
+                return
+            target = run.current_version
+            ckpt = await repo.checkpoint_of(s, run_id, target)
+        if ckpt is None:
+            return
+        await serving.backend.load_weights(Path(ckpt), target)
+        logger.info("run %s now serves version %d", run_id, target)
 
     async def run_forever(self) -> None:
         while True:

@@ -28,12 +28,16 @@ async def run_for_key_hash(session: AsyncSession, key_hash: str) -> Run | None:
     return (await session.execute(stmt)).scalar_one_or_none()
 
 
+# Episodes sent without a group id share this pseudo-group; see `select_batch`.
+UNGROUPED = "~ungrouped"
+
+
 async def get_or_create_episode(
     session: AsyncSession, run_id: str, episode_id: str, group_id: str | None
 ) -> Episode:
     ep = await session.get(Episode, (run_id, episode_id))
     if ep is None:
-        ep = Episode(run_id=run_id, id=episode_id, group_id=group_id or episode_id, status="open")
+        ep = Episode(run_id=run_id, id=episode_id, group_id=group_id or UNGROUPED, status="open")
         session.add(ep)
         await session.flush()
     return ep
@@ -44,11 +48,16 @@ async def checkpoint_of(session: AsyncSession, run_id: str, version: int) -> str
     return pv.checkpoint_path if pv else None
 
 
-async def step_in_flight(session: AsyncSession, run_id: str) -> bool:
-    stmt = select(func.count()).where(
+async def step_in_flight(session: AsyncSession, run_id: str) -> TrainStep | None:
+    stmt = select(TrainStep).where(
         TrainStep.run_id == run_id, TrainStep.status.in_(("queued", "running"))
     )
-    return (await session.execute(stmt)).scalar_one() > 0
+    return (await session.execute(stmt)).scalars().first()
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite returns naive datetimes; every time stored here is UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def bump_counter(run: Run, name: str, by: int = 1) -> None:
@@ -112,8 +121,10 @@ async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
     groups: dict[str, list[Episode]] = defaultdict(list)
     for ep in eps:
         groups[ep.group_id].append(ep)
+    candidates = [m for g, m in groups.items() if g != UNGROUPED]
+    candidates += _pool_chunks(groups.get(UNGROUPED, []), cfg.group_size)
     ready: list[list[Episode]] = []
-    for members in sorted(groups.values(), key=lambda m: min(e.created_at for e in m)):
+    for members in sorted(candidates, key=lambda m: min(e.created_at for e in m)):
         if any(e.status != "rewarded" for e in members) or len(members) < cfg.group_size:
             continue
         floor = run.current_version - cfg.max_staleness
@@ -130,7 +141,23 @@ async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
         ready.append(members)
     if len(ready) < cfg.groups_per_step:
         return []
-    return [e for members in ready[: cfg.groups_per_step] for e in members]
+    chosen = ready[: cfg.groups_per_step]
+    for members in chosen:
+        if members[0].group_id == UNGROUPED:
+            for e in members:  # the pool chunk becomes a group of its own from here on
+                e.group_id = f"~pool-{members[0].id}"[:100]
+    return [e for members in chosen for e in members]
+
+
+def _pool_chunks(pool: list[Episode], size: int) -> list[list[Episode]]:
+    """Rewarded ungrouped episodes, oldest first, in chunks of `size`.
+
+    Such episodes did not say which task they attempted, so a chunk's mean
+    is a batch baseline rather than GRPO's same-task baseline; it still lets
+    them train instead of waiting forever for group-mates.
+    """
+    rewarded = sorted((e for e in pool if e.status == "rewarded"), key=lambda e: e.created_at)
+    return [rewarded[i : i + size] for i in range(0, len(rewarded) - size + 1, size)]
 
 
 async def mark_queued(

@@ -114,6 +114,7 @@ def upgrade() -> None:
         sa.Column("metrics", sa.JSON(), nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("created_at", TZ, nullable=False),
+        sa.Column("enqueued_at", TZ, nullable=True),
         sa.Column("finished_at", TZ, nullable=True),
     )
 

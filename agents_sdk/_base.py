@@ -1,0 +1,158 @@
+"""Request building, retry policy and response parsing shared by the sync and async clients.
+
+Nothing here does I/O, so `RLGate` and `AsyncRLGate` differ only in how they send and sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from agents_sdk._exceptions import APIResponseError, status_error
+
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_MAX_RETRIES = 2
+DEFAULT_BACKOFF = 0.5
+MAX_BACKOFF = 8.0
+MAX_ID_LENGTH = 100  # the gateway stores episode and group ids in VARCHAR(100)
+
+
+@dataclass(frozen=True)
+class RewardAck:
+    """The gateway's answer to a reward post."""
+
+    id: int
+    run_id: str
+    completion_id: str | None
+    episode_id: str
+    reward: float
+    episode_status: str
+    # True when the idempotency key had been seen: this post was not stored again.
+    duplicate: bool = False
+
+
+def new_episode_id() -> str:
+    return "ep-" + uuid.uuid4().hex
+
+
+def new_group_id() -> str:
+    return "grp-" + uuid.uuid4().hex
+
+
+def check_id(kind: str, value: str) -> str:
+    """Reject ids that cannot travel as one URL path segment or that the gateway cannot store."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+    if len(value) > MAX_ID_LENGTH:
+        raise ValueError(f"{kind} is longer than {MAX_ID_LENGTH} characters")
+    # Starlette routes on the decoded path, so even an escaped "/" would split the segment.
+    if "/" in value or value in (".", ".."):
+        raise ValueError(f"{kind} {value!r} cannot be used in a URL path")
+    return value
+
+
+class BaseGate:
+    """Configuration and pure helpers; subclasses own the httpx client."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float | httpx.Timeout,
+        max_retries: int,
+        backoff: float,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        url = base_url.rstrip("/")
+        # Accept the OpenAI-style ".../v1" as well as the bare gateway root.
+        self.root = url.removesuffix("/v1")
+        self.base_url = self.root + "/v1"
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.base_url!r})"
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        return {
+            "headers": {
+                "Authorization": f"Bearer {self.api_key}",
+                "User-Agent": "rlgate-agents-sdk",
+            },
+            "timeout": self.timeout,
+        }
+
+    def scoped_base_url(self, episode_id: str, group_id: str | None) -> str:
+        """The OpenAI base URL that files every call under this episode (and group)."""
+        path = f"/episodes/{quote(episode_id, safe='')}/v1"
+        if group_id is not None:
+            path = f"/groups/{quote(group_id, safe='')}" + path
+        return self.root + path
+
+    def reward_body(
+        self,
+        value: float,
+        *,
+        completion_id: str | None,
+        episode_id: str | None,
+        idempotency_key: str | None,
+    ) -> dict[str, Any]:
+        """The JSON of a reward post; a fresh idempotency key makes the post safe to retry."""
+        if (completion_id is None) == (episode_id is None):
+            raise ValueError("give exactly one of completion_id or episode_id")
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be a finite number, got {value!r}")
+        body: dict[str, Any] = {"reward": reward}
+        if completion_id is not None:
+            body["completion_id"] = completion_id
+        else:
+            body["episode_id"] = episode_id
+        body["idempotency_key"] = idempotency_key or uuid.uuid4().hex
+        return body
+
+    def should_retry(self, attempt: int, response: httpx.Response | None) -> bool:
+        """Retry a lost request or a 429/5xx, never another 4xx, at most `max_retries` times."""
+        if attempt >= self.max_retries:
+            return False
+        return response is None or response.status_code == 429 or response.status_code >= 500
+
+    def retry_delay(self, attempt: int, response: httpx.Response | None) -> float:
+        """Exponential backoff with jitter, or the server's Retry-After if it asks for longer."""
+        delay = self.backoff * (2**attempt) * random.uniform(0.5, 1.0)
+        if response is not None:
+            # Absent, or an HTTP date rather than seconds: keep our own backoff.
+            with contextlib.suppress(ValueError):
+                delay = max(delay, float(response.headers.get("retry-after", "")))
+        return min(delay, MAX_BACKOFF)
+
+    @staticmethod
+    def parse_reward(response: httpx.Response) -> RewardAck:
+        if response.is_error:
+            raise status_error(response)
+        try:
+            data = response.json()
+            return RewardAck(
+                id=data["id"],
+                run_id=data["run_id"],
+                completion_id=data.get("completion_id"),
+                episode_id=data["episode_id"],
+                reward=data["reward"],
+                episode_status=data["episode_status"],
+                duplicate=data.get("duplicate", False),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise APIResponseError(
+                f"unexpected reward response: {response.text[:200]!r}", response=response
+            ) from exc

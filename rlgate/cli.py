@@ -1,0 +1,127 @@
+"""The `rlgate` command: demo, up, worker, runs create."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlgate.settings import Settings
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rlgate.demo import DemoConfig, run_demo
+
+    if args.backend != "local":
+        print(
+            f"backend {args.backend!r} is not available yet: use --backend local", file=sys.stderr
+        )
+        return 2
+    cfg = DemoConfig(model=args.model, out=Path(args.out), seed=args.seed, port=args.port)
+    if args.steps is not None:
+        cfg.steps = args.steps
+    return run_demo(cfg, Settings())
+
+
+def _up(args: argparse.Namespace) -> int:
+    from rlgate.serve import serve
+    from rlgate.stack import start_worker, stop
+
+    update = {"data_dir": Path(args.data_dir)} if args.data_dir else {}
+    settings = Settings().model_copy(update=update)
+    settings.resolved_admin_key()  # fail early (or warn) about the admin credential
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    worker = None if args.no_worker else start_worker(settings, settings.data_dir / "worker.log")
+    try:
+        serve(settings, args.host, args.port)
+    finally:
+        if worker is not None:
+            stop(worker)
+    return 0
+
+
+def _worker(_: argparse.Namespace) -> int:
+    from trainer.worker import run_worker
+
+    run_worker(Settings())
+    return 0
+
+
+def _runs_create(args: argparse.Namespace) -> int:
+    import httpx
+
+    from rlgate.settings import DEV_ADMIN_KEY
+
+    url = os.environ.get("RLGATE_URL", "http://127.0.0.1:8000").rstrip("/")
+    admin_key = os.environ.get("RLGATE_ADMIN_KEY") or DEV_ADMIN_KEY
+    config = json.loads(args.config) if args.config else {}
+    try:
+        resp = httpx.post(
+            f"{url}/admin/v1/runs",
+            json={"name": args.name, "model": args.model, "config": config},
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=300,
+        )
+    except httpx.HTTPError as exc:
+        print(f"cannot reach the gateway at {url}: {exc}", file=sys.stderr)
+        return 1
+    if resp.status_code >= 400:
+        print(resp.text, file=sys.stderr)
+        return 1
+    run = resp.json()
+    if args.json:
+        print(json.dumps(run))
+    else:
+        print(f"run_id:   {run['run_id']}\napi_key:  {run['api_key']}\nbase_url: {run['base_url']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlgate", description="Reinforcement learning as an API.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="the whole RL loop on the embedded default")
+    demo.add_argument("--model", default="smollm2", help="smollm2, tiny or a local HF directory")
+    demo.add_argument("--backend", default="local", choices=["local", "vllm"])
+    demo.add_argument("--steps", type=int, default=None, help="train steps (default 16)")
+    demo.add_argument("--out", default="rlgate-demo", help="output directory")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--port", type=int, default=8766, help="loopback port for the gateway")
+    demo.set_defaults(func=_demo)
+
+    up = sub.add_parser("up", help="gateway + worker + local backend in the foreground")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--data-dir", default=None, help="default: RLGATE_DATA_DIR or ./rlgate-data")
+    up.add_argument("--no-worker", action="store_true", help="gateway only (workers run elsewhere)")
+    up.set_defaults(func=_up)
+
+    worker = sub.add_parser("worker", help="a Celery worker for train steps")
+    worker.set_defaults(func=_worker)
+
+    runs = sub.add_parser("runs", help="manage runs on a gateway at RLGATE_URL")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    create = runs_sub.add_parser("create", help="create a run; prints its key and base_url")
+    create.add_argument("--name", required=True)
+    create.add_argument("--model", required=True, help="tiny, smollm2 or a local HF directory")
+    create.add_argument("--config", default=None, help="RunConfig as JSON")
+    create.add_argument("--json", action="store_true", help="print one JSON object")
+    create.set_defaults(func=_runs_create)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

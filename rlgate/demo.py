@@ -1,0 +1,265 @@
+"""`rlgate demo`: the whole loop on the embedded default, with plain OpenAI-SDK agents.
+
+Per step: a wave of agents (groups of `group_size` attempts at the same
+problem) call the gateway over HTTP, each reply is scored, rewards go back
+through the REST API, the gateway enqueues a train step, the Celery worker
+writes version N+1, and the gateway hot-swaps it in. The next wave samples
+from N+1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from rlgate.demo_task import make_problem, score
+from rlgate.settings import Settings
+from rlgate.stack import embedded_stack
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    model: str = "smollm2"
+    steps: int = 16
+    out: Path = Path("rlgate-demo")
+    seed: int = 0
+    port: int = 8766
+    group_size: int = 6
+    groups_per_step: int = 6
+    temperature: float = 0.7
+    max_tokens: int = 24
+    learning_rate: float = 2e-5
+    min_gain: float = 0.1  # reward_last - reward_first needed to call the run learned
+    max_waves_per_step: int = 4
+    run_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Wave:
+    rewards: list[float]
+    tokens: int
+    seconds: float
+
+
+async def _agent(client: openai.AsyncOpenAI, cfg: DemoConfig, problem, model: str):
+    resp = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": problem.prompt}],
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+    )
+    return resp
+
+
+async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.Random) -> Wave:
+    """One wave of groups; every agent is a plain openai.AsyncOpenAI on a path-scoped base_url."""
+    t0 = time.perf_counter()
+    calls, problems = [], []
+    clients = []
+    for _ in range(cfg.groups_per_step):
+        problem = make_problem(rng)
+        group = "g-" + uuid.uuid4().hex[:12]
+        for _ in range(cfg.group_size):
+            episode = "e-" + uuid.uuid4().hex[:12]
+            client = openai.AsyncOpenAI(
+                base_url=f"{url}/groups/{group}/episodes/{episode}/v1",
+                api_key=run["api_key"],
+                max_retries=2,
+                timeout=600,
+            )
+            clients.append(client)
+            problems.append(problem)
+            calls.append(_agent(client, cfg, problem, run["name"]))
+    responses = await asyncio.gather(*calls)
+    rewards = [
+        score(p, r.choices[0].message.content or "")
+        for p, r in zip(problems, responses, strict=True)
+    ]
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {run['api_key']}"}, timeout=60
+    ) as http:
+        for resp, reward in zip(responses, rewards, strict=True):
+            r = await http.post(
+                "/v1/rewards",
+                json={"completion_id": resp.id, "reward": reward, "idempotency_key": resp.id},
+            )
+            r.raise_for_status()
+    for c in clients:
+        await c.close()
+    tokens = sum(r.usage.completion_tokens for r in responses)
+    return Wave(rewards, tokens, time.perf_counter() - t0)
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+async def _wait_for_version(admin: httpx.AsyncClient, run_id: str, version: int, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = (await admin.get(f"/admin/v1/runs/{run_id}")).json()
+        if (info.get("served_version") or 0) >= version:
+            return info
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"version {version} was not served within {timeout:.0f}s")
+
+
+async def _step_queued(admin: httpx.AsyncClient, run_id: str, step: int) -> dict | None:
+    steps = (await admin.get(f"/admin/v1/runs/{run_id}/steps")).json()
+    return next((s for s in steps if s["step"] == step and s["status"] != "failed"), None)
+
+
+async def _loop(url: str, admin_key: str, cfg: DemoConfig) -> dict[str, Any]:
+    rng = random.Random(cfg.seed)
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as admin:
+        run_cfg = {
+            "group_size": cfg.group_size,
+            "groups_per_step": cfg.groups_per_step,
+            "max_staleness": 0,
+            "learning_rate": cfg.learning_rate,
+            "seed": cfg.seed,
+            **cfg.run_config,
+        }
+        r = await admin.post(
+            "/admin/v1/runs", json={"name": "demo", "model": cfg.model, "config": run_cfg}
+        )
+        if r.status_code != 201:
+            raise RuntimeError(f"could not create the run: {r.text}")
+        run = r.json()
+        steps: list[dict[str, Any]] = []
+        converged = False
+        for step in range(cfg.steps):
+            rewards, tokens, gen_s = [], 0, 0.0
+            for _ in range(cfg.max_waves_per_step):
+                wave = await run_wave(url, run, cfg, rng)
+                rewards += wave.rewards
+                tokens += wave.tokens
+                gen_s += wave.seconds
+                await asyncio.sleep(0.2)
+                if await _step_queued(admin, run["run_id"], step):
+                    break
+            else:
+                # Every group of several waves had equal rewards: GRPO has no signal left.
+                print(
+                    f"converged at version {step}: {cfg.max_waves_per_step} waves gave too few "
+                    f"groups with differing rewards (mean reward {statistics.fmean(rewards):.3f})"
+                )
+                converged = True
+                break
+            await _wait_for_version(admin, run["run_id"], step + 1, timeout=1800)
+            info = await _step_queued(admin, run["run_id"], step)
+            entry = {
+                "step": step,
+                "version": step,
+                "reward_mean": statistics.fmean(rewards),
+                "samples": len(rewards),
+                "loss": info.get("loss"),
+                "generate_tokens_per_s": tokens / gen_s if gen_s else 0.0,
+                "train_tokens_per_s": (info.get("metrics") or {}).get("tokens_per_s"),
+                "train_seconds": info.get("duration_s"),
+            }
+            steps.append(entry)
+            print(
+                f"{_bar(step + 1, cfg.steps)} step {step:3d} | sampled by v{step:<3d} | "
+                f"reward {entry['reward_mean']:.3f} | "
+                f"gen {entry['generate_tokens_per_s']:.0f} tok/s "
+                f"| train {entry['train_tokens_per_s'] or 0:.0f} tok/s | loss {entry['loss']:+.4f}",
+                flush=True,
+            )
+        final = await run_wave(url, run, cfg, rng)
+        return {"run_id": run["run_id"], "steps": steps, "final": final, "converged": converged}
+
+
+def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], final_rewards: list[float]) -> dict:
+    if not steps:
+        raise RuntimeError("no train step ran: the first waves had no reward variance at all")
+    k = max(1, len(steps) // 4)
+    first = statistics.fmean(s["reward_mean"] for s in steps[:k])
+    last = statistics.fmean(s["reward_mean"] for s in steps[-k:])
+    return {
+        "model": cfg.model,
+        "seed": cfg.seed,
+        "reward_first": first,
+        "reward_last": last,
+        "reward_final_version": statistics.fmean(final_rewards),
+        "window": k,
+        "learned": last - first >= cfg.min_gain,
+        "min_gain": cfg.min_gain,
+        "steps": steps,
+    }
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = summary["steps"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], marker="o")
+    ax.axhline(summary["reward_first"], color="grey", ls=":", label="first steps")
+    ax.axhline(summary["reward_last"], color="green", ls="--", label="last steps")
+    ax.set_xlabel("train step (policy version that sampled)")
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"rlgate demo: {summary['model']}, seed {summary['seed']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(cfg: DemoConfig, base: Settings) -> int:
+    """Returns the process exit code: 0 only if the run learned."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    state = cfg.out / "state"
+    settings = base.model_copy(
+        update={
+            "data_dir": state,
+            "database_url": "",
+            "broker_url": "",
+            "result_backend": "",
+            "model_cache_dir": base.models_dir.resolve(),
+            "admin_key": base.admin_key or "demo-" + uuid.uuid4().hex,
+            "dev_mode": True,
+        }
+    )
+    t0 = time.perf_counter()
+    print(f"rlgate demo: model={cfg.model} steps={cfg.steps} seed={cfg.seed} out={cfg.out}")
+    print("preparing the model and starting gateway + Celery worker ...", flush=True)
+    from inference.models import resolve_model
+
+    resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
+    with embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs") as url:
+        result = asyncio.run(_loop(url, settings.admin_key, cfg))
+    summary = summarize(cfg, result["steps"], result["final"].rewards)
+    summary["run_id"] = result["run_id"]
+    summary["converged_early"] = result["converged"]
+    summary["wall_seconds"] = time.perf_counter() - t0
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, cfg.out / "reward.png")
+    verdict = "learned" if summary["learned"] else "did NOT learn"
+    print(
+        f"reward first {summary['window']} steps {summary['reward_first']:.3f} -> "
+        f"last {summary['window']} steps {summary['reward_last']:.3f} "
+        f"(final version {summary['reward_final_version']:.3f}): {verdict} "
+        f"in {summary['wall_seconds']:.0f}s; wrote {cfg.out / 'summary.json'} and reward.png",
+        file=sys.stdout,
+    )
+    return 0 if summary["learned"] else 1

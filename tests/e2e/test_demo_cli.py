@@ -1,0 +1,47 @@
+"""`rlgate demo` end to end on the tiny model: real processes, the CLI contract, the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    env = dict(os.environ, RLGATE_DATA_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlgate.cli",
+            "demo",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--port",
+            "0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    # exit code and verdict agree: 0 only if the run learned
+    assert proc.returncode == (0 if summary["learned"] else 1), proc.stdout + proc.stderr
+    assert {"reward_first", "reward_last", "steps"} <= summary.keys()
+    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert [s["version"] for s in summary["steps"]] == [0, 1]
+    assert all(0.0 <= s["reward_mean"] <= 1.0 for s in summary["steps"])
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step   1 | sampled by v1" in proc.stdout

@@ -1,0 +1,77 @@
+"""Real processes for integration tests: PostgreSQL databases, Redis queues, a worker, a gateway."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from rlgate.settings import Settings
+from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
+
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis must run on 127.0.0.1:6379 for integration tests: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    name = "rlgate_it_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@dataclass
+class Stack:
+    url: str
+    admin_key: str
+    settings: Settings
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=120
+        )
+
+
+@contextlib.contextmanager
+def running_stack(settings: Settings, logs: Path) -> Iterator[Stack]:
+    port = free_port()
+    worker = start_worker(settings, logs / "worker.log")
+    gateway = start_gateway(settings, "127.0.0.1", port, logs / "gateway.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, gateway, timeout_s=120)
+        yield Stack(url, settings.admin_key, settings)
+    finally:
+        stop(gateway)
+        stop(worker)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    from inference.models import resolve_model
+
+    cache = tmp_path_factory.mktemp("models")
+    resolve_model("tiny", cache)
+    return cache
