@@ -7,11 +7,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.errors import InvalidRequest, PayloadTooLarge, error_response, install_error_handlers
+from gateway.errors import install_error_handlers
+from gateway.middleware import BodyLimit
 from gateway.routes import admin, health, openai_api, rewards
 from gateway.services.backends import BackendPool
 from gateway.services.completions import ChatService
@@ -65,19 +66,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app = FastAPI(title="rlgate", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > settings.max_body_bytes
-            except ValueError:
-                return error_response(InvalidRequest("invalid Content-Length header"))
-            if too_big:
-                return error_response(
-                    PayloadTooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
-                )
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     app.include_router(health.router)
     app.include_router(admin.router)

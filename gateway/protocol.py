@@ -56,7 +56,7 @@ class ChatCompletionRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     n: int | None = Field(1, ge=1, le=1)
     presence_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -154,6 +154,13 @@ class RewardRequest(BaseModel):
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError("reward must be a finite number")
+        return v
+
+    @field_validator("completion_id", "episode_id", "idempotency_key")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        if v is not None and any(ord(ch) < 32 or ord(ch) == 127 for ch in v):
+            raise ValueError("may not contain control characters")
         return v
 
     @model_validator(mode="after")

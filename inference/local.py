@@ -39,6 +39,17 @@ class _Swap:
     future: Future
 
 
+def _check_compatible(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint before copying anything, so a failed swap leaves no mixed weights."""
+    missing = sorted(current.keys() - new.keys())
+    unexpected = sorted(new.keys() - current.keys())
+    if missing or unexpected:
+        raise BackendError(f"checkpoint keys differ: missing {missing[:3]}, extra {unexpected[:3]}")
+    for name, tensor in current.items():
+        if new[name].shape != tensor.shape:
+            raise BackendError(f"{name}: shape {tuple(new[name].shape)} != {tuple(tensor.shape)}")
+
+
 class LocalBackend:
     """Serves a Hugging Face causal LM from `model_dir` on the CPU (or a given device)."""
 
@@ -74,6 +85,8 @@ class LocalBackend:
         return int(self.model.config.max_position_embeddings)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if not request.prompt_token_ids:
+            raise BackendError("empty prompt")
         return await asyncio.wrap_future(self._submit(_Job(request, Future())))
 
     async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
@@ -132,6 +145,7 @@ class LocalBackend:
                     state.update(load_file(shard, device=str(self.device)))
                 if not state:
                     raise BackendError(f"no safetensors in {swap.checkpoint_dir}")
+                _check_compatible(self.model.state_dict(), state)
                 with torch.no_grad():
                     self.model.load_state_dict(state, strict=True)
                 self._version = swap.version

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
+
+# Below this, logits / temperature overflow float32; the gateway treats such values as greedy.
+MIN_TEMPERATURE = 1e-3
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,19 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Checked here, before a request joins a batch, so one bad request cannot fail others.
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,7 @@ async def _loop(url: str, admin_key: str, cfg: DemoConfig) -> dict[str, Any]:
             entry = {
                 "step": step,
                 "version": step,
+                "trained": True,
                 "reward_mean": statistics.fmean(rewards),
                 "samples": len(rewards),
                 "loss": info.get("loss"),
@@ -182,12 +183,28 @@ async def _loop(url: str, admin_key: str, cfg: DemoConfig) -> dict[str, Any]:
                 f"| train {entry['train_tokens_per_s'] or 0:.0f} tok/s | loss {entry['loss']:+.4f}",
                 flush=True,
             )
-        final = await run_wave(url, run, cfg, rng)
-        return {"run_id": run["run_id"], "steps": steps, "final": final, "converged": converged}
+        if not converged:  # measure the last version too; a converged loop just measured it
+            final = await run_wave(url, run, cfg, rng)
+            rewards = final.rewards
+        steps.append(
+            {
+                "step": len(steps),
+                "version": len(steps),
+                "trained": False,
+                "reward_mean": statistics.fmean(rewards),
+                "samples": len(rewards),
+            }
+        )
+        return {"run_id": run["run_id"], "steps": steps, "converged": converged}
 
 
-def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], final_rewards: list[float]) -> dict:
-    if not steps:
+def summarize(cfg: DemoConfig, steps: list[dict[str, Any]]) -> dict:
+    """First vs last: mean reward of the first and last quarter of the measured versions.
+
+    `steps` has one entry per policy version that sampled, the last one
+    (never trained on) measuring the final version.
+    """
+    if len(steps) < 2:
         raise RuntimeError("no train step ran: the first waves had no reward variance at all")
     k = max(1, len(steps) // 4)
     first = statistics.fmean(s["reward_mean"] for s in steps[:k])
@@ -197,7 +214,7 @@ def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], final_rewards: list[
         "seed": cfg.seed,
         "reward_first": first,
         "reward_last": last,
-        "reward_final_version": statistics.fmean(final_rewards),
+        "reward_final_version": steps[-1]["reward_mean"],
         "window": k,
         "learned": last - first >= cfg.min_gain,
         "min_gain": cfg.min_gain,
@@ -248,7 +265,7 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
     with embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs") as url:
         result = asyncio.run(_loop(url, settings.admin_key, cfg))
-    summary = summarize(cfg, result["steps"], result["final"].rewards)
+    summary = summarize(cfg, result["steps"])
     summary["run_id"] = result["run_id"]
     summary["converged_early"] = result["converged"]
     summary["wall_seconds"] = time.perf_counter() - t0

@@ -26,7 +26,7 @@ from gateway.services.backends import BackendPool, RunServing
 from gateway.store import repo
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError
-from inference.types import GenerateRequest, SamplingParams
+from inference.types import MIN_TEMPERATURE, GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ MAX_ID_LENGTH = 100
 def _checked_id(value: str, param: str) -> str:
     if not 0 < len(value) <= MAX_ID_LENGTH:
         raise InvalidRequest(f"{param} must be 1 to {MAX_ID_LENGTH} characters", param=param)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise InvalidRequest(f"{param} may not contain control characters", param=param)
     if value.startswith("~"):
         raise InvalidRequest(f"{param} may not start with '~' (reserved)", param=param)
     return value
@@ -100,20 +102,27 @@ class ChatService:
                 code="context_length_exceeded",
             )
         temperature = 1.0 if req.temperature is None else req.temperature
-        params = SamplingParams(
-            max_tokens=max_new,
-            temperature=temperature,
-            top_p=req.top_p or 1.0,
-            seed=req.seed,
-            stop_token_ids=serving.template.stop_token_ids,
-        )
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0  # greedy: a vanishing temperature is argmax anyway
+        try:
+            params = SamplingParams(
+                max_tokens=max_new,
+                temperature=temperature,
+                top_p=req.top_p or 1.0,
+                seed=req.seed,
+                stop_token_ids=serving.template.stop_token_ids,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         try:
             result = await serving.backend.generate(GenerateRequest(prompt_ids, params))
         except BackendError as exc:
+            logger.warning("backend failed for run %s: %s", run.id, exc)
             raise Unavailable(
-                f"inference backend failed: {exc}", code="backend_unavailable"
+                "the inference backend failed; retry the request", code="backend_unavailable"
             ) from exc
-        text = serving.template.decode(result.output_token_ids)
+        # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
+        text = serving.template.decode(result.output_token_ids).replace("\x00", "\ufffd")
 
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         row = Completion(

@@ -14,7 +14,8 @@ from gateway.store.db import normalize_url
 def alembic_config(url: str) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    cfg.set_main_option("sqlalchemy.url", normalize_url(url, asynchronous=False))
+    # ConfigParser interpolates '%': escape it (percent-encoded passwords).
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url, asynchronous=False).replace("%", "%%"))
     return cfg
 
 

@@ -36,9 +36,11 @@ class IntArray(_PackedArray):
     """A list of int32 token ids stored as 4 bytes each."""
 
     typecode = "i"
+    cache_ok = True
 
 
 class FloatArray(_PackedArray):
     """A list of float32 log-probabilities stored as 4 bytes each."""
 
     typecode = "f"
+    cache_ok = True

@@ -33,7 +33,9 @@ def upgrade() -> None:
     op.create_table(
         "api_keys",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
-        sa.Column("run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE")),
+        sa.Column(
+            "run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("prefix", sa.String(20), nullable=False),
         sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
         sa.Column("created_at", TZ, nullable=False),
@@ -67,7 +69,9 @@ def upgrade() -> None:
     op.create_table(
         "completions",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE")),
+        sa.Column(
+            "run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("episode_id", sa.String(100), nullable=False),
         sa.Column("parent_id", sa.String(64), nullable=True),
         sa.Column("messages", sa.JSON(), nullable=False),
@@ -88,7 +92,9 @@ def upgrade() -> None:
     op.create_table(
         "rewards",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
-        sa.Column("run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE")),
+        sa.Column(
+            "run_id", sa.String(40), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("completion_id", sa.String(64), nullable=True),
         sa.Column("episode_id", sa.String(100), nullable=True),
         sa.Column("value", sa.Float(), nullable=False),

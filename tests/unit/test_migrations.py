@@ -1,0 +1,154 @@
+"""Alembic migrations: upgrade, downgrade, upgrade again, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, text
+
+from gateway.store.db import make_sync_engine
+from gateway.store.migrate import alembic_config, downgrade, upgrade
+from gateway.store.models import Base
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+APP_TABLES = {
+    "runs",
+    "api_keys",
+    "policy_versions",
+    "episodes",
+    "completions",
+    "rewards",
+    "train_steps",
+}
+
+
+def _tables(url: str) -> set[str]:
+    engine = make_sync_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def _revisions(url: str) -> list[str]:
+    engine = make_sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [r[0] for r in conn.execute(text("SELECT version_num FROM alembic_version"))]
+    finally:
+        engine.dispose()
+
+
+def _check_round_trip(url: str) -> None:
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    assert head is not None
+
+    upgrade(url)
+    assert _tables(url) == APP_TABLES | {"alembic_version"}
+    assert _revisions(url) == [head]
+
+    downgrade(url)
+    assert _tables(url) == {"alembic_version"}
+    assert _revisions(url) == []
+
+    upgrade(url)
+    assert _tables(url) == APP_TABLES | {"alembic_version"}
+    assert _revisions(url) == [head]
+    upgrade(url)  # already at head: a no-op, not an error
+    assert _revisions(url) == [head]
+
+
+def _drift(url: str) -> list:
+    engine = make_sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            return compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'migrations.db'}"
+
+
+def test_sqlite_upgrade_downgrade_upgrade(sqlite_url: str) -> None:
+    _check_round_trip(sqlite_url)
+
+
+def test_migrated_schema_has_the_models_tables_and_indexes(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    assert set(Base.metadata.tables) == APP_TABLES
+    engine = make_sync_engine(sqlite_url)
+    try:
+        insp = inspect(engine)
+        for name, table in Base.metadata.tables.items():
+            assert {c["name"] for c in insp.get_columns(name)} == set(table.columns.keys()), name
+        completion_fks = insp.get_foreign_keys("completions")
+        assert any(
+            fk["referred_table"] == "episodes"
+            and fk["constrained_columns"] == ["run_id", "episode_id"]
+            for fk in completion_fks
+        )
+        unique = insp.get_unique_constraints("rewards")
+        assert any(u["column_names"] == ["run_id", "idempotency_key"] for u in unique)
+    finally:
+        engine.dispose()
+
+
+def test_migration_matches_the_models(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    assert _drift(sqlite_url) == []
+
+
+def test_alembic_config_accepts_percent_encoded_passwords() -> None:
+    url = "postgresql://rlgate:p%40ss%25word@db.internal:5432/rlgate"
+    cfg = alembic_config(url)
+    assert (
+        cfg.get_main_option("sqlalchemy.url")
+        == "postgresql+psycopg://rlgate:p%40ss%25word@db.internal:5432/rlgate"
+    )
+
+
+# --- PostgreSQL ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh schema made the search_path of every libpq connection (via PGOPTIONS)."""
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+    schema = "rlgate_migr_" + uuid.uuid4().hex[:10]
+    admin.execute(f'CREATE SCHEMA "{schema}"')
+    monkeypatch.setenv("PGOPTIONS", f"-c search_path={schema}")
+    try:
+        yield schema
+    finally:
+        admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.close()
+
+
+@pytest.mark.integration
+def test_postgres_upgrade_downgrade_upgrade(pg_schema: str) -> None:
+    engine = make_sync_engine(PG_URL)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT current_schema()")).scalar_one() == pg_schema
+    finally:
+        engine.dispose()
+    _check_round_trip(PG_URL)
+
+
+@pytest.mark.integration
+def test_postgres_migration_matches_the_models(pg_schema: str) -> None:
+    upgrade(PG_URL)
+    assert _drift(PG_URL) == []
