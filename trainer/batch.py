@@ -1,9 +1,11 @@
-"""Token-exact training samples from the store, and their padded collation.
+"""Token-exact training samples and their padded collation.
 
-A sample is one completion: its prompt ids followed by the ids the backend
-sampled. The loss mask is 1 exactly on the sampled ids; `old_logprobs` are
-the behaviour logprobs the backend reported for them. Nothing is
-re-tokenized from text.
+A sample is one token sequence the model saw: prompt ids followed by the ids
+the backend sampled (for a multi-turn episode, several turns spliced into
+one sequence, see `trainer.sequences`). The loss mask is 1 exactly on
+sampled ids; `old_logprobs`, `advantages` and `temperatures` are per
+position and meaningful only where the mask is 1. Nothing is re-tokenized
+from text.
 """
 
 from __future__ import annotations
@@ -21,22 +23,30 @@ from trainer.advantages import grpo_advantages
 @dataclass(frozen=True)
 class Sample:
     input_ids: list[int]
-    loss_mask: list[int]
-    old_logprobs: list[float]  # aligned with input_ids; 0.0 where loss_mask is 0
-    advantage: float
-    temperature: float
-    policy_version: int
+    loss_mask: list[int]  # 1 on sampled tokens that this sample trains
+    old_logprobs: list[float]  # behaviour logprobs; 0.0 off the mask
+    advantages: list[float]  # 0.0 off the mask
+    temperatures: list[float]  # sampling temperature of each token; 1.0 off the mask
+    min_version: int  # oldest policy version among the trained tokens
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "old_logprobs", "advantages", "temperatures"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
 
 
 def sample_from_completion(c: Completion, advantage: float) -> Sample:
+    """One completion on its own: its prompt ids, then its sampled ids (trained)."""
     prompt, out = list(c.prompt_token_ids), list(c.output_token_ids)
+    temp = c.temperature if c.temperature > 0 else 1.0
     return Sample(
         input_ids=prompt + out,
         loss_mask=[0] * len(prompt) + [1] * len(out),
         old_logprobs=[0.0] * len(prompt) + list(c.output_logprobs),
-        advantage=advantage,
-        temperature=c.temperature if c.temperature > 0 else 1.0,
-        policy_version=c.policy_version,
+        advantages=[0.0] * len(prompt) + [advantage] * len(out),
+        temperatures=[1.0] * len(prompt) + [temp] * len(out),
+        min_version=c.policy_version,
     )
 
 
@@ -73,8 +83,8 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] 1 on sampled tokens
     old_logprobs: torch.Tensor  # [B, T]
-    advantages: torch.Tensor  # [B, T] the episode's advantage on every position
-    temperature: torch.Tensor  # [B, 1]
+    advantages: torch.Tensor  # [B, T]
+    temperatures: torch.Tensor  # [B, T]
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
@@ -85,13 +95,13 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     mask = torch.zeros((b, width), dtype=torch.float32)
     old = torch.zeros((b, width), dtype=torch.float32)
     adv = torch.zeros((b, width), dtype=torch.float32)
-    temp = torch.ones((b, 1), dtype=torch.float32)
+    temp = torch.ones((b, width), dtype=torch.float32)
     for i, s in enumerate(samples):
         n = len(s.input_ids)
         ids[i, :n] = torch.tensor(s.input_ids)
         attn[i, :n] = 1
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         old[i, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-        adv[i, :n] = s.advantage
-        temp[i, 0] = s.temperature
+        adv[i, :n] = torch.tensor(s.advantages, dtype=torch.float32)
+        temp[i, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
     return Batch(ids, attn, mask, old, adv, temp)

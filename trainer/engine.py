@@ -50,7 +50,7 @@ class LocalEngine:
         ).last_hidden_state
         targets = batch.input_ids[:, 1:]
         where = batch.loss_mask[:, 1:] > 0
-        temps = batch.temperature.expand_as(targets)[where]
+        temps = batch.temperatures[:, 1:][where]
         logits = self.model.get_output_embeddings()(hidden[:, :-1][where]).float()
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         picked = logp.gather(-1, targets[where][:, None]).squeeze(-1)

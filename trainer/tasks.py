@@ -85,7 +85,7 @@ class Trainer:
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
         engine.save(out, model_path)
-        versions = [s.policy_version for s in samples]
+        versions = [s.min_version for s in samples]
         metrics |= {
             "staleness_max": float(step - min(versions)),
             "staleness_mean": float(step - statistics.fmean(versions)),

@@ -105,15 +105,15 @@ def test_sample_from_completion_is_prompt_plus_output() -> None:
     assert s.input_ids == [5, 6, 7, 8, 9, 2]
     assert s.loss_mask == [0, 0, 0, 1, 1, 1]
     assert s.old_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, -0.3]
-    assert s.advantage == 0.25
-    assert s.temperature == 0.7
-    assert s.policy_version == 3
+    assert s.advantages == [0.0] * 3 + [0.25] * 3
+    assert s.temperatures == [1.0] * 3 + [0.7] * 3
+    assert s.min_version == 3
 
 
 def test_greedy_completion_trains_at_temperature_one() -> None:
     # Greedy sampling reports logprobs at temperature 1 (inference.sampling), so must the trainer.
     s = sample_from_completion(_completion([1], [2], [-0.5], temperature=0.0), 1.0)
-    assert s.temperature == 1.0
+    assert s.temperatures == [1.0, 1.0]
 
 
 def test_collate_pads_right_and_aligns_masks_and_logprobs() -> None:
@@ -129,11 +129,11 @@ def test_collate_pads_right_and_aligns_masks_and_logprobs() -> None:
     torch.testing.assert_close(
         batch.old_logprobs, torch.tensor([[0, 0, 0, -0.1, -0.2], [0, 0, -0.7, 0, 0]])
     )
-    # the advantage may spread over padding; the loss mask is what keeps it out
-    assert batch.advantages[0].tolist() == [1.5] * 5
-    assert batch.advantages[1, :3].tolist() == [2.0] * 3
-    assert batch.temperature.shape == (2, 1)
-    assert batch.temperature[:, 0].tolist() == pytest.approx([0.7, 1.0])
+    # advantages and temperatures are per position, on the sampled tokens only
+    assert batch.advantages.tolist() == [[0, 0, 0, 1.5, 1.5], [0, 0, 2.0, 0, 0]]
+    assert batch.temperatures.shape == (2, 5)
+    assert batch.temperatures[:, 3].tolist() == pytest.approx([0.7, 1.0])
+    assert batch.temperatures[0, :3].tolist() == [1.0, 1.0, 1.0]
 
 
 # --- the trainer's logprobs ---------------------------------------------------------
@@ -143,7 +143,7 @@ def _reference_logprobs(model, batch) -> torch.Tensor:
     """Full-sequence logits, log-softmax at the sample's temperature, picked at each token."""
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].double() / batch.temperature[:, :, None], dim=-1)
+    logp = torch.log_softmax(logits[:, :-1].double() / batch.temperatures[:, 1:, None], dim=-1)
     picked = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
