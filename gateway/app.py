@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.errors import install_error_handlers
 from gateway.middleware import BodyLimit
-from gateway.routes import admin, health, openai_api, rewards
+from gateway.routes import admin, export, health, openai_api, rewards
 from gateway.services.backends import BackendPool
 from gateway.services.completions import ChatService
 from gateway.services.rewards import RewardService
@@ -70,6 +70,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
 
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(export.router)
     for prefix in EPISODE_PREFIXES:
         app.include_router(openai_api.router, prefix=prefix, include_in_schema=prefix == "")
         app.include_router(rewards.router, prefix=prefix, include_in_schema=prefix == "")

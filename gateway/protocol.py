@@ -27,6 +27,17 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    def normalized(self) -> dict[str, Any]:
+        """The message as stored and hashed: role, text, and tool fields when present."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
     def text(self) -> str:
         """Content as plain text; a list of parts keeps its text parts only."""
         if self.content is None:

@@ -21,12 +21,39 @@ class ChatTemplate:
             stop.add(im_end)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stop if t is not None))
 
+    def render_text(self, messages: list[dict[str, Any]]) -> str:
+        """The template's text for `messages`, ending with the assistant generation prompt."""
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of template text (special tokens in it are parsed; none are added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids for `messages`, ending with the assistant generation prompt."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        return self.encode(self.render_text(messages))
+
+    def continue_from(
+        self, sampled_ids: list[int], messages: list[dict[str, Any]]
+    ) -> tuple[list[int], bool]:
+        """Prompt ids for `messages` that reuse `sampled_ids` (an earlier turn's prompt + output).
+
+        If the template renders the history exactly as the model saw and
+        sampled it, the result is `sampled_ids` followed by the ids of the
+        newly rendered text, and the second value is True (spliced). If the
+        template renders it differently (for example by stripping earlier
+        `<think>` blocks), nothing is pretended: the whole prompt is rendered
+        afresh and the second value is False (drift).
+        """
+        seen = self.tokenizer.decode(
+            sampled_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
-        return list(ids)
+        full = self.render_text(messages)
+        if full.startswith(seen):
+            return list(sampled_ids) + self.encode(full[len(seen) :]), True
+        return self.encode(full), False
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled ids, without special tokens (the stop token is not content)."""

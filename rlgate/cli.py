@@ -79,6 +79,12 @@ def _runs_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from rlgate.export_cli import run_export
+
+    return run_export(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlgate", description="Reinforcement learning as an API.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -111,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--config", default=None, help="RunConfig as JSON")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_runs_create)
+
+    export = sub.add_parser("export", help="write a run's episodes to a JSONL or Parquet file")
+    export.add_argument("--run", required=True, help="run id")
+    export.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"])
+    export.add_argument("--out", required=True, help="output file (replaced when complete)")
+    export.add_argument("--status", default=None, help="only episodes with this status")
+    export.add_argument("--min-version", type=int, default=None, help="only newer samples")
+    export.set_defaults(func=_export)
     return p
 
 

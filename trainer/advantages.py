@@ -17,6 +17,21 @@ from collections import defaultdict
 import torch
 
 
+def grpo_advantage(
+    value: float, group_returns: list[float], eps: float = 1e-6, normalize_std: bool = True
+) -> float:
+    """(value - mean) / (std + eps) with the group's statistics (population std).
+
+    `value` may be a turn's own return (see trainer.returns); for a
+    single-turn episode it is the episode's return, one of `group_returns`.
+    """
+    r = torch.tensor(group_returns, dtype=torch.float64)
+    centred = value - float(r.mean())
+    if normalize_std:
+        centred /= float(r.std(unbiased=False)) + eps
+    return centred
+
+
 def grpo_advantages(
     rewards: list[float], group_ids: list[str], eps: float = 1e-6, normalize_std: bool = True
 ) -> list[float]:
@@ -28,10 +43,7 @@ def grpo_advantages(
         members[g].append(i)
     out = [0.0] * len(rewards)
     for idx in members.values():
-        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
-        centred = r - r.mean()
-        if normalize_std:
-            centred = centred / (r.std(unbiased=False) + eps)
-        for i, a in zip(idx, centred.tolist(), strict=True):
-            out[i] = a
+        group = [rewards[i] for i in idx]
+        for i in idx:
+            out[i] = grpo_advantage(rewards[i], group, eps, normalize_std)
     return out

@@ -16,8 +16,8 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Completion, Episode
-from trainer.advantages import grpo_advantages
+from gateway.store.models import Completion, Episode, Reward
+from trainer.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,16 @@ def sample_from_completion(c: Completion, advantage: float) -> Sample:
     )
 
 
-def load_step_samples(
-    session: Session, run_id: str, step: int, adv_eps: float
-) -> tuple[list[Sample], list[float], list[str]]:
-    """Samples for the episodes the scheduler assigned to `step`, plus their rewards and groups."""
+def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
+    """Samples for the episodes the scheduler assigned to `step`.
+
+    Returns (samples, episode returns, group ids, assembly stats). Imports of
+    the assembly helpers are local: `trainer.sequences` builds on `Sample`.
+    """
+    from trainer.advantages import grpo_advantage
+    from trainer.returns import Node, completion_returns, episode_return
+    from trainer.sequences import AssemblyStats, Turn, assemble
+
     episodes = (
         session.execute(
             select(Episode)
@@ -63,18 +69,64 @@ def load_step_samples(
         .scalars()
         .all()
     )
-    rewards = [float(e.reward) for e in episodes]
-    groups = [e.group_id for e in episodes]
-    advantages = grpo_advantages(rewards, groups, eps=adv_eps)
+    trees: dict[str, list[Completion]] = {}
+    for ep in episodes:
+        trees[ep.id] = list(
+            session.execute(
+                select(Completion)
+                .where(Completion.run_id == run_id, Completion.episode_id == ep.id)
+                .order_by(Completion.created_at, Completion.id)
+            ).scalars()
+        )
+    explicit = {ep.id: _explicit_episode_reward(session, run_id, ep) for ep in episodes}
+    nodes = {ep.id: [Node(c.id, c.parent_id, c.reward) for c in trees[ep.id]] for ep in episodes}
+    returns = {
+        ep.id: episode_return(nodes[ep.id], explicit[ep.id], cfg.reward_policy, cfg.gamma)
+        for ep in episodes
+    }
+    by_group: dict[str, list[float]] = {}
+    for ep in episodes:
+        by_group.setdefault(ep.group_id, []).append(returns[ep.id])
+    stats = AssemblyStats()
     samples: list[Sample] = []
-    for ep, adv in zip(episodes, advantages, strict=True):
-        completions = session.execute(
-            select(Completion)
-            .where(Completion.run_id == run_id, Completion.episode_id == ep.id)
-            .order_by(Completion.created_at)
-        ).scalars()
-        samples.extend(sample_from_completion(c, adv) for c in completions)
-    return samples, rewards, groups
+    for ep in episodes:
+        g = completion_returns(nodes[ep.id], explicit[ep.id], cfg.reward_policy, cfg.gamma)
+        group = by_group[ep.group_id]
+        adv = {
+            k: None if v is None else grpo_advantage(v, group, cfg.adv_eps) for k, v in g.items()
+        }
+        turns = [
+            Turn(
+                id=c.id,
+                parent_id=c.parent_id,
+                prompt_token_ids=list(c.prompt_token_ids),
+                output_token_ids=list(c.output_token_ids),
+                output_logprobs=list(c.output_logprobs),
+                temperature=c.temperature,
+                policy_version=c.policy_version,
+                spliced=bool(c.spliced),
+                prompt_hash=c.prompt_hash,
+                created_order=i,
+            )
+            for i, c in enumerate(trees[ep.id])
+        ]
+        samples.extend(assemble(turns, adv, train_orphans=cfg.train_orphans, stats=stats))
+    return samples, [returns[ep.id] for ep in episodes], [ep.group_id for ep in episodes], stats
+
+
+def _explicit_episode_reward(session: Session, run_id: str, ep: Episode) -> float | None:
+    """The newest episode-level reward post, if any (per-turn posts live on completions)."""
+    row = session.execute(
+        select(Reward.value)
+        .where(
+            Reward.run_id == run_id,
+            Reward.episode_id == ep.id,
+            Reward.completion_id.is_(None),
+        )
+        .order_by(Reward.id.desc())
+        .limit(1)
+    ).scalar_one_or_none()
+    return None if row is None else float(row)
 
 
 @dataclass

@@ -27,12 +27,41 @@ class RunConfig(BaseModel):
     micro_batch_size: int = Field(8, ge=1)
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     keep_checkpoints: int = Field(2, ge=1, description="newest versions kept on disk (v0 kept)")
+    # --- how rewards reach tokens (see trainer.returns)
+    reward_policy: Literal["broadcast", "terminal", "discounted"] = "broadcast"
+    gamma: float = Field(1.0, gt=0, le=1, description="discount per turn (discounted policy)")
+    reward_min: float | None = Field(None, description="rewards below this get 422")
+    reward_max: float | None = Field(None, description="rewards above this get 422")
+    train_orphans: bool = Field(False, description="also train retried turns nobody continued")
+    # --- episodes and groups
+    prefix_match_window_s: float = Field(
+        3600.0, gt=0, description="how far back a call without ids may link to a completion"
+    )
+    episode_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="an episode without a reward this long after its last call expires",
+    )
+    group_timeout_s: float = Field(
+        600.0, gt=0, description="a group still short of group_size after this is incomplete"
+    )
+    incomplete_groups: Literal["train", "drop"] = Field(
+        "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
+    )
     seed: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.micro_batch_size > self.group_size * self.groups_per_step:
             raise ValueError("micro_batch_size exceeds the batch: lower micro_batch_size")
+        if (
+            self.reward_min is not None
+            and self.reward_max is not None
+            and self.reward_min > self.reward_max
+        ):
+            raise ValueError("reward_min is above reward_max: swap or widen them")
+        if self.gamma != 1.0 and self.reward_policy != "discounted":
+            raise ValueError("gamma only applies to reward_policy='discounted': set both")
         return self
 
 

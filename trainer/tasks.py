@@ -76,7 +76,7 @@ class Trainer:
         with self.sessions() as s:
             run = s.get(Run, run_id)
             cfg = RunConfig.model_validate(run.config)
-            samples, rewards, _groups = load_step_samples(s, run_id, step, cfg.adv_eps)
+            samples, rewards, _groups, assembly = load_step_samples(s, run_id, step, cfg)
             if not samples:
                 raise RuntimeError(f"step {step} of run {run_id} has no samples")
             engine = self.engine_for(run, cfg, s)
@@ -87,6 +87,9 @@ class Trainer:
         engine.save(out, model_path)
         versions = [s.min_version for s in samples]
         metrics |= {
+            "sequences": float(assembly.sequences),
+            "drift_segments": float(assembly.drift_segments),
+            "orphans_excluded": float(assembly.orphans_excluded),
             "staleness_max": float(step - min(versions)),
             "staleness_mean": float(step - statistics.fmean(versions)),
         }

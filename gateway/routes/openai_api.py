@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from gateway.deps import RunDep
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
-from gateway.services.completions import EpisodeRef
+from gateway.services.episodes import EpisodeRef
 
 logger = logging.getLogger(__name__)
 
@@ -17,17 +17,18 @@ router = APIRouter()
 
 
 def episode_ref(request: Request) -> EpisodeRef:
-    """Path first, then headers; the service falls back to `metadata`."""
+    """Path first, then headers; the service falls back to `metadata`, then prefix matching."""
     p, h = request.path_params, request.headers
     return EpisodeRef(
         episode_id=p.get("episode_id") or h.get("x-episode-id") or None,
         group_id=p.get("group_id") or h.get("x-group-id") or None,
+        source="path" if p.get("episode_id") else "header",
     )
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(
-    body: ChatCompletionRequest, run: RunDep, request: Request
+    body: ChatCompletionRequest, run: RunDep, request: Request, response: Response
 ) -> ChatCompletion:
     if body.unknown_fields():
         logger.info("ignoring unknown chat fields: %s", body.unknown_fields())
@@ -41,6 +42,7 @@ async def chat_completions(
         )
     ref = episode_ref(request)
     resp = await request.app.state.chat.create(run, body, ref)
+    response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
     return resp
 
 

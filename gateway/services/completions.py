@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.exc import IntegrityError
@@ -23,35 +22,22 @@ from gateway.protocol import (
     Usage,
 )
 from gateway.services.backends import BackendPool, RunServing
+from gateway.services.episodes import (
+    EpisodeRef,
+    answer_message,
+    conversation_hash,
+    explicit_ids,
+    place,
+)
 from gateway.store import repo
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError
 from inference.types import MIN_TEMPERATURE, GenerateRequest, SamplingParams
+from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class EpisodeRef:
-    """Where a call is filed: from the URL path, the X-Episode-Id/X-Group-Id headers or metadata."""
-
-    episode_id: str | None = None
-    group_id: str | None = None
-
-
-MAX_ID_LENGTH = 100
-
-
-def _checked_id(value: str, param: str) -> str:
-    if not 0 < len(value) <= MAX_ID_LENGTH:
-        raise InvalidRequest(f"{param} must be 1 to {MAX_ID_LENGTH} characters", param=param)
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
-        raise InvalidRequest(f"{param} may not contain control characters", param=param)
-    if value.startswith("~"):
-        raise InvalidRequest(f"{param} may not start with '~' (reserved)", param=param)
-    return value
 
 
 class ChatService:
@@ -75,20 +61,30 @@ class ChatService:
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
-        meta = req.metadata or {}
-        episode_id = _checked_id(
-            ref.episode_id or meta.get("episode_id") or "ep-" + uuid.uuid4().hex, "episode_id"
-        )
-        group_id = ref.group_id or meta.get("group_id")
-        if group_id is not None:
-            _checked_id(group_id, "group_id")
-        serving = await self.serving(run)
+        explicit_ids(ref, req.metadata)  # validate ids before any work
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.normalized() for m in req.messages]
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
+        cfg = RunConfig.model_validate(run.config)
+        serving = await self.serving(run)
+        async with self.sessions() as s:
+            placement = await place(
+                s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
+            )
+        parent = placement.parent
         try:
-            prompt_ids = await asyncio.to_thread(serving.template.render, messages)
+            if parent is not None:
+                prompt_ids, spliced = await asyncio.to_thread(
+                    serving.template.continue_from,
+                    list(parent.prompt_token_ids) + list(parent.output_token_ids),
+                    messages,
+                )
+            else:
+                prompt_ids, spliced = (
+                    await asyncio.to_thread(serving.template.render, messages),
+                    False,
+                )
         except Exception as exc:  # a template can raise on roles or shapes it does not know
             raise InvalidRequest(
                 f"messages could not be rendered: {exc}", param="messages"
@@ -124,11 +120,11 @@ class ChatService:
         # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
         text = serving.template.decode(result.output_token_ids).replace("\x00", "\ufffd")
 
-        completion_id = "chatcmpl-" + uuid.uuid4().hex
         row = Completion(
-            id=completion_id,
+            id="chatcmpl-" + uuid.uuid4().hex,
             run_id=run.id,
-            episode_id=episode_id,
+            episode_id=placement.episode_id,
+            parent_id=parent.id if parent else None,
             messages=messages,
             prompt_token_ids=prompt_ids,
             output_token_ids=result.output_token_ids,
@@ -137,8 +133,17 @@ class ChatService:
             finish_reason=result.finish_reason,
             temperature=temperature,
             policy_version=result.policy_version,
+            conv_hash=conversation_hash([*messages, answer_message(text)]),
+            prompt_hash=conversation_hash(messages),
+            spliced=spliced,
+            drift=parent is not None and not spliced,
+            link=placement.link,
         )
-        await self._store(row, group_id)
+        if row.drift:
+            logger.info(
+                "template drift in run %s after %s: new training sequence", run.id, parent.id
+            )
+        await self._store(row, placement.group_id)
         return self._response(req, serving, row, result.output_logprobs)
 
     async def _store(self, row: Completion, group_id: str | None) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -89,6 +90,7 @@ class Completion(Base):
             ["run_id", "episode_id"], ["episodes.run_id", "episodes.id"], ondelete="CASCADE"
         ),
         Index("ix_completions_run_episode", "run_id", "episode_id"),
+        Index("ix_completions_run_conv_hash", "run_id", "conv_hash"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -105,6 +107,15 @@ class Completion(Base):
     policy_version: Mapped[int] = mapped_column(Integer)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Hash of messages + this answer: a later call whose history starts with it continues here.
+    conv_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    prompt_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The prompt is the parent's prompt ids + the parent's sampled ids + newly rendered ids.
+    spliced: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The parent's history re-rendered differently from what was sampled: a new training sequence.
+    drift: Mapped[bool] = mapped_column(Boolean, default=False)
+    # How the call found its episode: path, header, metadata, prefix (matched) or new.
+    link: Mapped[str | None] = mapped_column(String(10), nullable=True)
 
 
 class Reward(Base):

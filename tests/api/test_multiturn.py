@@ -61,13 +61,6 @@ def test_explicit_episode_id_files_both_turns_together(
     ) == [(2,)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="not implemented: gateway/services/completions.py re-renders an assistant message "
-    "from its text instead of splicing in the output ids the gateway sampled, so the "
-    "next turn's prompt is not token-exact (design.md, invariant 'Token-exact')",
-)
 def test_own_assistant_turn_is_spliced_back_as_sampled_ids(
     http: httpx.Client, run: dict, gateway_server: GatewayServer, template: ChatTemplate
 ) -> None:
@@ -92,13 +85,6 @@ def test_own_assistant_turn_is_spliced_back_as_sampled_ids(
     assert p2[len(p1) : len(p1) + len(core)] == core
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="not implemented: a call without episode id is not linked by message-prefix "
-    "matching to the earlier completion it continues (design.md, core flow 3); it starts "
-    "a new episode and parent_id stays empty",
-)
 def test_continuation_is_linked_by_message_prefix(
     http: httpx.Client, run: dict, gateway_server: GatewayServer
 ) -> None:

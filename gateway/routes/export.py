@@ -1,0 +1,68 @@
+"""Admin export (admin credential): a run's episodes as JSON lines or a Parquet file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from gateway.deps import AdminDep
+from gateway.services.export import (
+    JSONL_MEDIA_TYPE,
+    PARQUET_MEDIA_TYPE,
+    EpisodeStatus,
+    ExportFilter,
+    ExportFormat,
+    ExportService,
+)
+
+router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
+
+CHUNK_BYTES = 1 << 20
+
+
+@router.get(
+    "/runs/{run_id}/export",
+    response_class=StreamingResponse,
+    responses={200: {"content": {JSONL_MEDIA_TYPE: {}, PARQUET_MEDIA_TYPE: {}}}},
+)
+async def export_run(
+    run_id: str,
+    request: Request,
+    fmt: Annotated[ExportFormat, Query(alias="format")] = "jsonl",
+    status: Annotated[EpisodeStatus | None, Query()] = None,
+    min_version: Annotated[int | None, Query(ge=0)] = None,
+) -> StreamingResponse:
+    await request.app.state.runs.get(run_id)  # a 404 must come before the first byte
+    service = ExportService(request.app.state.sessions)
+    filt = ExportFilter(status=status, min_version=min_version)
+    if fmt == "jsonl":
+        return StreamingResponse(
+            service.jsonl(run_id, filt),
+            media_type=JSONL_MEDIA_TYPE,
+            headers={"Content-Disposition": f'attachment; filename="{run_id}.jsonl"'},
+        )
+    # Parquet's footer comes last, so the file is built whole before the answer starts.
+    path = await service.parquet_file(run_id, filt)
+    return StreamingResponse(
+        _read_then_delete(path),
+        media_type=PARQUET_MEDIA_TYPE,
+        headers={
+            "Content-Disposition": f'attachment; filename="{run_id}.parquet"',
+            "Content-Length": str(os.path.getsize(path)),
+        },
+    )
+
+
+async def _read_then_delete(path: str) -> AsyncIterator[bytes]:
+    # Deleted in `finally` so that a client that hangs up early does not leave the file behind.
+    try:
+        with open(path, "rb") as f:
+            while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
+                yield chunk
+    finally:
+        os.unlink(path)

@@ -1,0 +1,120 @@
+"""Where a chat call belongs: its episode, its group, and its parent turn.
+
+Order (design.md, flow 3): the URL path, then the X-Episode-Id / X-Group-Id
+headers, then the request's `metadata`. The parent is the earlier completion
+of the run (of that episode, when one was named) whose messages plus answer
+form the longest prefix of this call's messages, created within
+`prefix_match_window_s`. A call that names no episode joins its parent's
+episode ("prefix"), or else starts a new one ("new").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.errors import InvalidRequest
+from gateway.store.models import Completion
+
+MAX_ID_LENGTH = 100
+
+
+@dataclass(frozen=True)
+class EpisodeRef:
+    """Ids from the URL path and headers (the router fills it)."""
+
+    episode_id: str | None = None
+    group_id: str | None = None
+    source: str | None = None  # "path" or "header"
+
+
+@dataclass(frozen=True)
+class Placement:
+    episode_id: str
+    group_id: str | None  # None: keep the episode's group (or the ungrouped pool)
+    link: str  # path | header | metadata | prefix | new
+    parent: Completion | None
+
+
+def checked_id(value: str, param: str) -> str:
+    if not 0 < len(value) <= MAX_ID_LENGTH:
+        raise InvalidRequest(f"{param} must be 1 to {MAX_ID_LENGTH} characters", param=param)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise InvalidRequest(f"{param} may not contain control characters", param=param)
+    if value.startswith("~"):
+        raise InvalidRequest(f"{param} may not start with '~' (reserved)", param=param)
+    return value
+
+
+def conversation_hash(messages: list[dict[str, Any]]) -> str:
+    """Order- and content-exact hash of normalised messages (role, text, tool fields)."""
+    canonical = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def answer_message(content: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+def explicit_ids(
+    ref: EpisodeRef, metadata: dict[str, str] | None
+) -> tuple[str | None, str | None, str | None]:
+    """(episode id, group id, source) from path/headers, else metadata; ids are validated."""
+    meta = metadata or {}
+    episode = ref.episode_id or meta.get("episode_id")
+    group = ref.group_id or meta.get("group_id")
+    source = ref.source if ref.episode_id else ("metadata" if meta.get("episode_id") else None)
+    if episode is not None:
+        checked_id(episode, "episode_id")
+    if group is not None:
+        checked_id(group, "group_id")
+    return episode, group, source
+
+
+async def find_parent(
+    session: AsyncSession,
+    run_id: str,
+    messages: list[dict[str, Any]],
+    episode_id: str | None,
+    window_s: float,
+) -> Completion | None:
+    """The completion whose messages + answer are the longest prefix of `messages`."""
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    for end in range(len(messages) - 1, 0, -1):
+        if messages[end - 1].get("role") != "assistant":
+            continue
+        stmt = select(Completion).where(
+            Completion.run_id == run_id,
+            Completion.conv_hash == conversation_hash(messages[:end]),
+            Completion.created_at >= since,
+        )
+        if episode_id is not None:
+            stmt = stmt.where(Completion.episode_id == episode_id)
+        hit = (await session.execute(stmt.order_by(Completion.created_at.desc()).limit(1))).scalar()
+        if hit is not None:
+            return hit
+    return None
+
+
+async def place(
+    session: AsyncSession,
+    run_id: str,
+    ref: EpisodeRef,
+    metadata: dict[str, str] | None,
+    messages: list[dict[str, Any]],
+    window_s: float,
+) -> Placement:
+    episode_id, group_id, source = explicit_ids(ref, metadata)
+    parent = await find_parent(session, run_id, messages, episode_id, window_s)
+    if episode_id is not None:
+        return Placement(episode_id, group_id, source or "header", parent)
+    if parent is not None:  # the episode exists already, and with it its group
+        return Placement(parent.episode_id, None, "prefix", parent)
+    return Placement("ep-" + uuid.uuid4().hex, group_id, "new", None)
