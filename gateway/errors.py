@@ -91,7 +91,10 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Drop the location kind and pydantic's union/validator tags ("function-after[...]").
+    parts = [
+        str(p) for p in loc if p not in ("body", "query", "path", "header") and "[" not in str(p)
+    ]
     return ".".join(parts) or None
 
 
@@ -112,6 +115,9 @@ def install_error_handlers(app: FastAPI) -> None:
         param = _loc_to_param(loc)
         msg = first.get("msg", "invalid request")
         text = f"{param}: {msg}" if param else msg
+        if first.get("type") == "value_error" and (param or "").split(".")[-1] == "reward":
+            # A well-formed request whose reward value cannot be used (non-finite).
+            return error_response(Unprocessable(text, param=param, code="invalid_reward"))
         return error_response(InvalidRequest(text, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)

@@ -213,6 +213,10 @@ class RunPublic(BaseModel):
     served_version: int | None
     config: dict[str, Any]
     counters: dict[str, Any]
+    # How calls found their episode (path, header, metadata, prefix, new) and how many
+    # turns drifted from the template (each starts a new training sequence).
+    calls_by_link: dict[str, int] = {}
+    template_drift: int = 0
     created_at: str
 
 

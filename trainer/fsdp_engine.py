@@ -58,8 +58,13 @@ class PolicyLogits(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, attention_mask, position_ids, select) -> torch.Tensor:
+        # use_cache=False: a KV cache is useless in training, and a checkpointed layer's
+        # recompute would append to it a second time
         hidden = self.lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state
         return self.lm.get_output_embeddings()(hidden[:, :-1][select])
 
@@ -157,7 +162,9 @@ class FsdpEngine:
             batch, pos = trainable_batch(collate(chunk, self.pad_id)), None
             model_in = (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures)
         ids, attn, mask, temps = (t.to(dev) for t in model_in)
-        logp = token_logprobs(self.policy, ids, attn, pos if pos is None else pos.to(dev), mask, temps)
+        logp = token_logprobs(
+            self.policy, ids, attn, pos if pos is None else pos.to(dev), mask, temps
+        )
         if self.parallel.packing:
             logp = pb.unpack(logp)
         return logp, Batch(*(getattr(batch, f.name).to(dev) for f in fields(batch)))

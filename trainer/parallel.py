@@ -131,7 +131,8 @@ def apply_fsdp(
 
     `gradient_divide_factor`: FSDP2 averages gradients over ranks by default;
     pass 1.0 when the loss is already normalised by a global count, so the
-    reduce-scatter sums.
+    reduce-scatter sums. A custom factor is applied around a plain SUM
+    reduce-scatter (gloo has no PREMUL_SUM; NCCL's SUM is also its zero-copy op).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(model)
@@ -142,4 +143,5 @@ def apply_fsdp(
     if gradient_divide_factor is not None:
         for m in [*layers, model]:
             m.set_gradient_divide_factor(gradient_divide_factor)
+            m.set_force_sum_reduction_for_comms(True)
     return model  # type: ignore[return-value]

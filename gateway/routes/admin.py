@@ -24,13 +24,13 @@ async def create_run(body: RunCreate, request: Request) -> RunCreated:
 @router.get("/runs", response_model=list[RunPublic])
 async def list_runs(request: Request) -> list[RunPublic]:
     svc = request.app.state.runs
-    return [svc.public(r, agent_base_url(request)) for r in await svc.list()]
+    return [await svc.public(r, agent_base_url(request)) for r in await svc.list()]
 
 
 @router.get("/runs/{run_id}", response_model=RunPublic)
 async def get_run(run_id: str, request: Request) -> RunPublic:
     svc = request.app.state.runs
-    return svc.public(await svc.get(run_id), agent_base_url(request))
+    return await svc.public(await svc.get(run_id), agent_base_url(request))
 
 
 @router.get("/runs/{run_id}/steps", response_model=list[TrainStepPublic])

@@ -37,6 +37,7 @@ async def export_run(
     status: Annotated[EpisodeStatus | None, Query()] = None,
     min_version: Annotated[int | None, Query(ge=0)] = None,
 ) -> StreamingResponse:
+    """One record per episode, oldest first; see docs/export.md for the schema."""
     await request.app.state.runs.get(run_id)  # a 404 must come before the first byte
     service = ExportService(request.app.state.sessions)
     filt = ExportFilter(status=status, min_version=min_version)

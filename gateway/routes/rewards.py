@@ -11,14 +11,28 @@ from gateway.protocol import RewardAck, RewardRequest
 router = APIRouter()
 
 
-@router.post("/v1/rewards", response_model=RewardAck)
-async def post_reward(body: RewardRequest, run: RunDep, request: Request) -> RewardAck:
+MAX_BATCH = 1000
+
+
+def _targeted(body: RewardRequest, request: Request) -> RewardRequest:
+    """Under /episodes/{id}/v1 a body that names no target rewards the path's episode."""
     if body.completion_id is None and body.episode_id is None:
         path_episode = request.path_params.get("episode_id")
         if path_episode is None:
             raise InvalidRequest("give one of completion_id or episode_id", param="episode_id")
         body = body.model_copy(update={"episode_id": path_episode})
-    ack = await request.app.state.rewards.post(run, body)
-    if ack.episode_status == "rewarded":
+    return body
+
+
+@router.post("/v1/rewards", response_model=RewardAck | list[RewardAck])
+async def post_reward(
+    body: RewardRequest | list[RewardRequest], run: RunDep, request: Request
+) -> RewardAck | list[RewardAck]:
+    """One reward object, or a list of them stored all-or-nothing."""
+    items = body if isinstance(body, list) else [body]
+    if not 0 < len(items) <= MAX_BATCH:
+        raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} rewards", param="body")
+    acks = await request.app.state.rewards.post_many(run, [_targeted(b, request) for b in items])
+    if any(a.episode_status == "rewarded" for a in acks):
         await request.app.state.scheduler.maybe_schedule(run.id)
-    return ack
+    return acks if isinstance(body, list) else acks[0]

@@ -151,7 +151,10 @@ class ChatService:
         for attempt in range(3):
             try:
                 async with self.sessions.begin() as s:
-                    await repo.get_or_create_episode(s, row.run_id, row.episode_id, group_id)
+                    ep = await repo.get_or_create_episode(s, row.run_id, row.episode_id, group_id)
+                    if ep.status == "rewarded" and not await repo.has_episode_reward(s, ep):
+                        # A new turn after per-turn rewards: the episode was not over after all.
+                        ep.status, ep.reward, ep.rewarded_at = "open", None, None
                     s.add(row)
                 return
             except IntegrityError:

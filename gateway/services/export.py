@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import and_, exists, or_, select
+from sqlalchemy import Select, and_, exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.store.models import Completion, Episode
@@ -141,7 +141,9 @@ class ExportService:
                 return
             after = (episodes[-1].created_at, episodes[-1].id)
 
-    def _page_query(self, run_id: str, filt: ExportFilter, after: tuple[datetime, str] | None):
+    def _page_query(
+        self, run_id: str, filt: ExportFilter, after: tuple[datetime, str] | None
+    ) -> Select:
         stmt = select(Episode).where(Episode.run_id == run_id)
         if filt.status is not None:
             stmt = stmt.where(Episode.status == filt.status)

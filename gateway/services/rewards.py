@@ -6,10 +6,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.protocol import RewardAck, RewardRequest
 from gateway.store import repo
 from gateway.store.models import Completion, Episode, Reward, Run
+from trainer.config import RunConfig
 
 
 class RewardService:
@@ -17,19 +18,72 @@ class RewardService:
         self.sessions = sessions
 
     async def post(self, run: Run, body: RewardRequest) -> RewardAck:
-        if body.idempotency_key is not None:
-            prior = await self._replay(run, body)
-            if prior is not None:
-                return prior
-        try:
-            async with self.sessions.begin() as s:
-                return await self._apply(s, run, body)
-        except IntegrityError:
-            # A concurrent post with the same idempotency key won the insert.
-            prior = await self._replay(run, body) if body.idempotency_key else None
-            if prior is None:
-                raise
-            return prior
+        return (await self.post_many(run, [body]))[0]
+
+    async def post_many(self, run: Run, bodies: list[RewardRequest]) -> list[RewardAck]:
+        """Store a batch all-or-nothing; each idempotency key is honoured once.
+
+        A repeated key with the same body answers the original acknowledgement
+        (`duplicate: true`); with a different body, 409. A concurrent post of the
+        same key loses the insert race and is answered as a duplicate.
+        """
+        self._check_bounds(run, bodies)
+        first_of = self._dedupe(bodies)
+        for attempt in range(3):
+            acks: list[RewardAck | None] = [None] * len(bodies)
+            for i, body in enumerate(bodies):
+                if body.idempotency_key is not None and first_of[i] == i:
+                    acks[i] = await self._replay(run, body)
+            try:
+                async with self.sessions.begin() as s:
+                    for i, body in enumerate(bodies):
+                        if acks[i] is None and first_of[i] == i:
+                            acks[i] = await self._apply(s, run, body)
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+                continue  # a concurrent post with one of our keys won: replay it
+            for i, j in enumerate(first_of):
+                if j != i:
+                    acks[i] = acks[j].model_copy(update={"duplicate": True})
+            return acks  # type: ignore[return-value]
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _dedupe(bodies: list[RewardRequest]) -> list[int]:
+        """Index of the first item with the same idempotency key (409 on a different body)."""
+        seen: dict[str, int] = {}
+        first_of = []
+        for i, body in enumerate(bodies):
+            key = body.idempotency_key
+            if key is None:
+                first_of.append(i)
+            elif key in seen:
+                if bodies[seen[key]] != body:
+                    raise Conflict(
+                        f"idempotency_key {key!r} appears twice in the batch with different bodies",
+                        param="idempotency_key",
+                        code="idempotency_conflict",
+                    )
+                first_of.append(seen[key])
+            else:
+                seen[key] = i
+                first_of.append(i)
+        return first_of
+
+    @staticmethod
+    def _check_bounds(run: Run, bodies: list[RewardRequest]) -> None:
+        cfg = RunConfig.model_validate(run.config)
+        for body in bodies:
+            if (cfg.reward_min is not None and body.reward < cfg.reward_min) or (
+                cfg.reward_max is not None and body.reward > cfg.reward_max
+            ):
+                raise Unprocessable(
+                    f"reward {body.reward} is outside this run's bounds "
+                    f"[{cfg.reward_min}, {cfg.reward_max}]",
+                    param="reward",
+                    code="reward_out_of_bounds",
+                )
 
     async def _apply(self, s: AsyncSession, run: Run, body: RewardRequest) -> RewardAck:
         completion = None

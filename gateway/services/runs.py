@@ -14,6 +14,7 @@ from gateway.errors import InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
 from gateway.services.backends import BackendPool
+from gateway.store import repo
 from gateway.store.models import ApiKey, PolicyVersion, Run, TrainStep
 from inference.models import resolve_model
 from trainer.config import RunConfig
@@ -56,12 +57,16 @@ class RunService:
             await s.flush()
             s.add(ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key)))
             s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
-        public = self.public(run, base_url)
+        public = await self.public(run, base_url)
         return RunCreated(**public.model_dump(), api_key=key)
 
-    def public(self, run: Run, base_url: str) -> RunPublic:
+    async def public(self, run: Run, base_url: str) -> RunPublic:
         serving = self.pool.loaded().get(run.id)
+        async with self.sessions() as s:
+            links, drift = await repo.call_stats(s, run.id)
         return RunPublic(
+            calls_by_link=links,
+            template_drift=drift,
             run_id=run.id,
             name=run.name,
             model=run.model,

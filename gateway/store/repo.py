@@ -14,6 +14,7 @@ from gateway.store.models import (
     Completion,
     Episode,
     PolicyVersion,
+    Reward,
     Run,
     TrainStep,
 )
@@ -60,6 +61,33 @@ def as_utc(value: datetime) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
+async def call_stats(session: AsyncSession, run_id: str) -> tuple[dict[str, int], int]:
+    """Calls per episode-link kind, and the number of turns with template drift."""
+    links = dict(
+        (
+            await session.execute(
+                select(Completion.link, func.count())
+                .where(Completion.run_id == run_id)
+                .group_by(Completion.link)
+            )
+        ).all()
+    )
+    drift = (
+        await session.execute(
+            select(func.count()).where(Completion.run_id == run_id, Completion.drift.is_(True))
+        )
+    ).scalar_one()
+    return {str(k): int(v) for k, v in links.items() if k is not None}, int(drift)
+
+
+async def has_episode_reward(session: AsyncSession, ep: Episode) -> bool:
+    """Whether an episode-level reward (not a per-turn one) was posted for `ep`."""
+    stmt = select(func.count()).where(
+        Reward.run_id == ep.run_id, Reward.episode_id == ep.id, Reward.completion_id.is_(None)
+    )
+    return (await session.execute(stmt)).scalar_one() > 0
+
+
 def bump_counter(run: Run, name: str, by: int = 1) -> None:
     counters = dict(run.counters or {})
     counters[name] = int(counters.get(name, 0)) + by
@@ -91,9 +119,13 @@ async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
 async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
     """Pick the groups for the next step, dropping (and counting) what must not train.
 
-    Stale: an episode any of whose completions was sampled more than
-    `max_staleness` versions before the current one. Zero-variance: a ready
-    group whose rewards are all equal gives every token zero advantage.
+    Expired: an open episode with no new call and no reward for
+    `episode_timeout_s`. Incomplete: a group still short of `group_size` (or
+    with open episodes) `group_timeout_s` after it started; by
+    `incomplete_groups` its rewarded episodes train (if at least two) or are
+    dropped. Stale: an episode any of whose completions was sampled more than
+    `max_staleness` versions before the current one. Zero-variance: a group
+    whose rewards are all equal gives every token zero advantage.
     Returns [] when fewer than `groups_per_step` good groups are ready.
     """
     eps = (
@@ -109,25 +141,49 @@ async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
     )
     if not eps:
         return []
-    oldest = dict(
-        (
-            await session.execute(
-                select(Completion.episode_id, func.min(Completion.policy_version))
-                .where(Completion.run_id == run.id, Completion.episode_id.in_([e.id for e in eps]))
-                .group_by(Completion.episode_id)
+    rows = (
+        await session.execute(
+            select(
+                Completion.episode_id,
+                func.min(Completion.policy_version),
+                func.max(Completion.created_at),
             )
-        ).all()
-    )
-    groups: dict[str, list[Episode]] = defaultdict(list)
+            .where(Completion.run_id == run.id, Completion.episode_id.in_([e.id for e in eps]))
+            .group_by(Completion.episode_id)
+        )
+    ).all()
+    oldest = {r[0]: r[1] for r in rows}
+    last_call = {r[0]: as_utc(r[2]) for r in rows}
+    now = datetime.now(UTC)
+    live: list[Episode] = []
     for ep in eps:
+        idle = (now - last_call.get(ep.id, as_utc(ep.created_at))).total_seconds()
+        if ep.status == "open" and idle > cfg.episode_timeout_s:
+            ep.status = "expired"
+            bump_counter(run, "expired_episodes")
+        else:
+            live.append(ep)
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for ep in live:
         groups[ep.group_id].append(ep)
     candidates = [m for g, m in groups.items() if g != UNGROUPED]
     candidates += _pool_chunks(groups.get(UNGROUPED, []), cfg.group_size)
     ready: list[list[Episode]] = []
+    floor = run.current_version - cfg.max_staleness
     for members in sorted(candidates, key=lambda m: min(e.created_at for e in m)):
-        if any(e.status != "rewarded" for e in members) or len(members) < cfg.group_size:
-            continue
-        floor = run.current_version - cfg.max_staleness
+        complete = len(members) >= cfg.group_size and all(e.status == "rewarded" for e in members)
+        if not complete:
+            started = min(as_utc(e.created_at) for e in members)
+            if (now - started).total_seconds() <= cfg.group_timeout_s:
+                continue  # still filling up
+            rewarded = [e for e in members if e.status == "rewarded"]
+            if cfg.incomplete_groups == "drop" or len(rewarded) < 2:
+                for e in rewarded:
+                    e.status = "dropped"
+                if rewarded:
+                    bump_counter(run, "dropped_incomplete_groups")
+                continue
+            members = rewarded  # counted below if chosen
         if any(oldest.get(e.id, run.current_version) < floor for e in members):
             for e in members:
                 e.status = "dropped"
@@ -142,6 +198,9 @@ async def select_batch(session: AsyncSession, run: Run, cfg) -> list[Episode]:
     if len(ready) < cfg.groups_per_step:
         return []
     chosen = ready[: cfg.groups_per_step]
+    short = sum(1 for m in chosen if len(m) < cfg.group_size)
+    if short:
+        bump_counter(run, "trained_incomplete_groups", short)
     for members in chosen:
         if members[0].group_id == UNGROUPED:
             for e in members:  # the pool chunk becomes a group of its own from here on

@@ -320,7 +320,8 @@ def test_non_finite_reward_is_rejected(
     raw = f'{{"reward": {token}, "{target}": "{value}"}}'
     with no_writes(gateway_server):
         resp = http.post("/v1/rewards", content=raw, headers=JSON)
-    err = assert_error(resp, 400, type="invalid_request_error")
+    # well-formed JSON with an unusable value: 422, as for rewards outside a run's bounds
+    err = assert_error(resp, 422, type="invalid_request_error")
     assert err["param"] == "reward"
     assert _stored_reward(gateway_server, completion["id"]) is None
     episode = gateway_server.query(

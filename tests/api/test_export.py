@@ -175,6 +175,11 @@ def test_parquet_has_nested_columns_and_the_same_records(
     assert completion.field("prompt_token_ids").type == pa.list_(pa.int32())
     assert _normalised(table.to_pylist()) == _jsonl(gateway_server, run["run_id"])
 
+    empty = _export(gateway_server, run["run_id"], format="parquet", min_version=1)
+    assert empty.status_code == 200, empty.text
+    table = pq.read_table(io.BytesIO(empty.content))
+    assert table.num_rows == 0 and table.schema.equals(PARQUET_SCHEMA)
+
 
 def _normalised(rows: list[dict]) -> list[dict]:
     """Parquet rows in the JSONL shape: timestamps as ISO strings, messages decoded."""

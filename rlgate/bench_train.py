@@ -1,0 +1,152 @@
+"""`rlgate bench train`: training tokens/s with packed micro-batches against padded ones.
+
+Both modes run the same `FsdpEngine` (a one-rank process group in this
+process) on the same batch of variable-length samples; only
+`ParallelConfig.packing` differs. Tokens/s counts real tokens (prompt and
+completion, never padding), so the ratio is padded time / packed time.
+One warm-up step per mode, then the modes alternate for `repeats` steps and
+the median is reported. The last printed line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.batch import Sample
+
+
+def synthetic_samples(
+    n: int, min_len: int, max_len: int, vocab: int, seed: int = 0
+) -> list[Sample]:
+    """`n` samples, lengths uniform in [min_len, max_len], the last ~70% of each trained."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        prompt = max(1, int(length * 0.3))
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        trained = length - prompt
+        out.append(
+            Sample(
+                input_ids=ids,
+                loss_mask=[0] * prompt + [1] * trained,
+                old_logprobs=[0.0] * prompt + [-rng.uniform(3.0, 8.0) for _ in range(trained)],
+                advantages=[0.0] * prompt + [rng.choice([-1.0, 1.0])] * trained,
+                temperatures=[1.0] * length,
+                min_version=0,
+            )
+        )
+    return out
+
+
+def bench_train(
+    model: str = "tiny",
+    cache_dir: Path = Path("rlgate-data"),
+    n_samples: int = 32,
+    min_len: int = 16,
+    max_len: int = 256,
+    micro_batch_size: int = 8,
+    pack_tokens: int = 1024,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    from inference.models import resolve_model
+    from trainer.config import RunConfig
+    from trainer.fsdp_engine import FsdpEngine
+    from trainer.parallel import ParallelConfig
+
+    model_dir = resolve_model(model, cache_dir)
+    cfg = RunConfig(
+        learning_rate=1e-7,  # the weights barely move: both modes time the same model
+        micro_batch_size=micro_batch_size,
+        group_size=2,
+        groups_per_step=max(1, -(-max(n_samples, micro_batch_size) // 2)),
+        seed=seed,
+    )
+    base = ParallelConfig(pack_tokens=pack_tokens)
+    engine = FsdpEngine(model_dir, 0, cfg, base)
+    try:
+        samples = synthetic_samples(
+            n_samples, min_len, max_len, engine.policy.lm.config.vocab_size, seed
+        )
+        tokens = sum(len(s.input_ids) for s in samples)
+        modes = {"packed": True, "padded": False}
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        micro: dict[str, float] = {}
+        for rep in range(repeats + 1):
+            for mode, packing in modes.items():
+                engine.parallel = base.model_copy(update={"packing": packing})
+                t0 = time.perf_counter()
+                metrics = engine.step(samples)
+                seconds = time.perf_counter() - t0
+                micro[mode] = metrics["micro_batches"]
+                if rep > 0:  # rep 0 warms up allocators and kernels
+                    rates[mode].append(tokens / seconds)
+    finally:
+        engine.close()
+    packed, padded = (statistics.median(rates[m]) for m in modes)
+    for mode in modes:
+        print(
+            f"{mode}: {statistics.median(rates[mode]):.0f} tokens/s "
+            f"(median of {repeats}; {n_samples} samples, {tokens} tokens, "
+            f"{micro[mode]:.0f} micro-batches)"
+        )
+    return {
+        "bench": "train",
+        "model": model,
+        "samples": n_samples,
+        "tokens": tokens,
+        "pack_tokens": pack_tokens,
+        "micro_batch_size": micro_batch_size,
+        "repeats": repeats,
+        "packed_tokens_per_s": packed,
+        "padded_tokens_per_s": padded,
+        "ratio": packed / padded,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlgate bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF directory")
+    p.add_argument("--cache-dir", default=None, help="model cache (default: the data dir)")
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8, help="padded mode")
+    p.add_argument("--pack-tokens", type=int, default=1024, help="packed mode token budget")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cache_dir is None:
+        from rlgate.settings import Settings
+
+        cache_dir = Settings().models_dir
+    else:
+        cache_dir = Path(args.cache_dir)
+    result = bench_train(
+        model=args.model,
+        cache_dir=cache_dir,
+        n_samples=args.samples,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        micro_batch_size=args.micro_batch_size,
+        pack_tokens=args.pack_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

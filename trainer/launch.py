@@ -1,0 +1,134 @@
+"""Run one FSDP train step as a `torchrun` subprocess and return rank 0's metrics.
+
+A Celery prefork child cannot fork multiprocessing children, so the worker
+starts `python -m torch.distributed.run` with fork+exec instead. The
+hand-off is through files in a scratch directory:
+
+    samples.pt    plain lists (`write_samples`), read by every rank
+    config.json   {"run": RunConfig dict, "parallel": ParallelConfig dict}
+    metrics.json  written by rank 0 after the checkpoint is in place
+    logs/         torchrun's per-rank stdout/stderr (`--redirects 3`)
+
+On failure the raised `FsdpStepError` carries the tail of every rank's
+stderr, since the interesting traceback is rarely on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.batch import Sample
+
+TAIL_CHARS = 4000
+
+
+class FsdpStepError(RuntimeError):
+    """The torchrun step failed or timed out; the message holds the ranks' stderr tails."""
+
+
+def write_samples(samples: list[Sample], path: Path) -> Path:
+    """Serialise samples as plain lists (loadable with `weights_only=True`)."""
+    torch.save([dataclasses.asdict(s) for s in samples], path)
+    return path
+
+
+def read_samples(path: Path) -> list[Sample]:
+    return [Sample(**d) for d in torch.load(path, weights_only=True)]
+
+
+def torchrun_command(world_size: int, log_dir: Path, worker_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        f"--log-dir={log_dir}",
+        "--redirects=3",
+        "-m",
+        "trainer.fsdp_worker",
+        *worker_args,
+    ]
+
+
+def _tails(work: Path) -> str:
+    parts = []
+    launcher = work / "torchrun.log"
+    for path in [launcher, *sorted((work / "logs").rglob("stderr.log"))]:
+        if path.is_file():
+            text = path.read_text(errors="replace")[-TAIL_CHARS:]
+            parts.append(f"--- {path.relative_to(work)} ---\n{text}")
+    return "\n".join(parts) or "(no logs)"
+
+
+def run_fsdp_step(
+    checkpoint_dir: Path,
+    version: int,
+    cfg_dict: dict[str, Any],
+    samples_path: Path,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    world_size: int,
+    *,
+    parallel: dict[str, Any] | None = None,
+    timeout_s: float = 3600.0,
+) -> dict[str, float]:
+    """One step from `checkpoint_dir` (version N) to `out_dir` (N+1) on `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    work = Path(tempfile.mkdtemp(prefix="rlgate-fsdp-"))
+    try:
+        config = work / "config.json"
+        config.write_text(json.dumps({"run": cfg_dict, "parallel": parallel or {}}))
+        metrics = work / "metrics.json"
+        args = [
+            f"--checkpoint-dir={Path(checkpoint_dir).resolve()}",
+            f"--version={version}",
+            f"--config={config}",
+            f"--samples={Path(samples_path).resolve()}",
+            f"--out-dir={Path(out_dir).resolve()}",
+            f"--tokenizer-dir={Path(tokenizer_dir).resolve()}",
+            f"--metrics={metrics}",
+        ]
+        cmd = torchrun_command(world_size, work / "logs", args)
+        with open(work / "torchrun.log", "wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise FsdpStepError(
+                    f"FSDP step timed out after {timeout_s:.0f}s\n{_tails(work)}"
+                ) from None
+        if rc != 0 or not metrics.is_file():
+            raise FsdpStepError(f"FSDP step failed (torchrun exit {rc})\n{_tails(work)}")
+        return json.loads(metrics.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its rank processes (they share the session we started)."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
