@@ -64,3 +64,19 @@ def test_gamma_one_discounted_equals_broadcast_for_a_chain() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="reward_policy"):
         completion_returns(TREE, 1.0, "nope")  # type: ignore[arg-type]
+
+
+def test_worked_example_from_the_docs() -> None:
+    """docs/rewards.md, "Worked example": the numbers there are these numbers."""
+    from trainer.advantages import grpo_advantage
+
+    a = [Node("a0", None, None), Node("a1", "a0", 1.0), Node("a2", "a0", 0.0)]
+    b = [Node("b0", None, None)]
+    ga = completion_returns(a, None, "discounted", 0.5)
+    gb = completion_returns(b, 0.5, "discounted", 0.5)
+    assert ga == pytest.approx({"a0": 0.25, "a1": 1.0, "a2": 0.0})
+    assert gb == pytest.approx({"b0": 0.5})
+    group = [episode_return(a, None, "discounted", 0.5), episode_return(b, 0.5, "discounted", 0.5)]
+    assert group == pytest.approx([0.25, 0.5])
+    adv = {k: grpo_advantage(v, group, eps=0.0) for k, v in {**ga, **gb}.items()}
+    assert adv == pytest.approx({"a0": -1.0, "a1": 5.0, "a2": -3.0, "b0": 1.0})
