@@ -55,12 +55,18 @@ def bench_train(
     pack_tokens: int = 1024,
     repeats: int = 3,
     seed: int = 0,
+    threads: int = 1,
 ) -> dict[str, Any]:
+    """Median tokens/s of each mode; `threads` is torch's intra-op thread count."""
+    import torch
+
     from inference.models import resolve_model
     from trainer.config import RunConfig
     from trainer.fsdp_engine import FsdpEngine
     from trainer.parallel import ParallelConfig
 
+    # one thread, as each torchrun rank gets: on a shared machine more threads mostly spin
+    torch.set_num_threads(threads)
     model_dir = resolve_model(model, cache_dir)
     cfg = RunConfig(
         learning_rate=1e-7,  # the weights barely move: both modes time the same model
@@ -105,6 +111,7 @@ def bench_train(
         "pack_tokens": pack_tokens,
         "micro_batch_size": micro_batch_size,
         "repeats": repeats,
+        "threads": threads,
         "packed_tokens_per_s": packed,
         "padded_tokens_per_s": padded,
         "ratio": packed / padded,
@@ -122,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack-tokens", type=int, default=1024, help="packed mode token budget")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     return p
 
 
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         pack_tokens=args.pack_tokens,
         repeats=args.repeats,
         seed=args.seed,
+        threads=args.threads,
     )
     print(json.dumps(result))
     return 0

@@ -69,12 +69,10 @@ def block_causal_mask(seq_lens: Sequence[int], dtype: torch.dtype = torch.float3
     """[1, 1, T, T] additive mask: position q may see k iff k <= q and both are in one sample."""
     lens = torch.tensor(list(seq_lens), dtype=torch.long)
     seq_id = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    total = int(lens.sum())
-    same = seq_id[:, None] == seq_id[None, :]
-    causal = torch.ones(total, total, dtype=torch.bool).tril_()
-    mask = torch.zeros(total, total, dtype=dtype)
+    pos = torch.arange(len(seq_id))
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
     # -inf is safe: every row keeps its diagonal, so no softmax row is all -inf
-    mask.masked_fill_(~(same & causal), float("-inf"))
+    mask = torch.full(allowed.shape, float("-inf"), dtype=dtype).masked_fill_(allowed, 0.0)
     return mask[None, None]
 
 
