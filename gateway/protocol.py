@@ -65,7 +65,7 @@ class ChatCompletionRequest(OpenAIModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, str] | None = None
-    n: int | None = Field(1, ge=1, le=1)
+    n: int | None = Field(1, ge=1, le=16)
     presence_penalty: float | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
@@ -113,6 +113,11 @@ class Choice(BaseModel):
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter"]
+    # --- rlgate extensions
+    # The id to reward this choice by, and the episode it was filed under (with n > 1
+    # every choice is an episode of its own, all in the response's group).
+    completion_id: str | None = None
+    episode_id: str | None = None
 
 
 class Usage(BaseModel):
@@ -130,8 +135,10 @@ class ChatCompletion(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     # --- rlgate extensions
-    # The episode and policy version this completion was filed under and sampled by.
+    # The episode (n = 1) or group (n > 1) this call was filed under, and the policy
+    # version that sampled it.
     episode_id: str | None = None
+    group_id: str | None = None
     policy_version: int | None = None
 
 

@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     conf = json.loads(args.config.read_text())
     cfg = RunConfig.model_validate(conf["run"])
     parallel = ParallelConfig.model_validate(conf.get("parallel") or {})
+    samples = read_samples(args.samples)  # before the model load, so a bad file fails fast
     engine = FsdpEngine(args.checkpoint_dir, args.version, cfg, parallel)
     try:
-        metrics = engine.step(read_samples(args.samples))
+        metrics = engine.step(samples)
         engine.save(args.out_dir, args.tokenizer_dir)
         if engine.dist.rank == 0:
             # written last and renamed, so the launcher never sees a half-written file

@@ -87,6 +87,9 @@ def run_fsdp_step(
     """One step from `checkpoint_dir` (version N) to `out_dir` (N+1) on `world_size` ranks."""
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        # fail here, not in every rank (where transformers would read it as a hub repo id)
+        raise FileNotFoundError(f"{checkpoint_dir} is not a Hugging Face directory (config.json)")
     work = Path(tempfile.mkdtemp(prefix="rlgate-fsdp-"))
     try:
         config = work / "config.json"
@@ -104,7 +107,11 @@ def run_fsdp_step(
         cmd = torchrun_command(world_size, work / "logs", args)
         with open(work / "torchrun.log", "wb") as log:
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},  # checkpoints are local directories
+                start_new_session=True,
             )
             try:
                 rc = proc.wait(timeout=timeout_s)

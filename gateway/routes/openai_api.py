@@ -42,7 +42,10 @@ async def chat_completions(
         )
     ref = episode_ref(request)
     resp = await request.app.state.chat.create(run, body, ref)
-    response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+    if resp.episode_id is not None:
+        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+    if resp.group_id is not None:
+        response.headers["X-Rlgate-Group-Id"] = resp.group_id
     return resp
 
 

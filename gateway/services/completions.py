@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from pathlib import Path
@@ -110,85 +111,120 @@ class ChatService:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        n = req.n or 1
         try:
-            result = await serving.backend.generate(GenerateRequest(prompt_ids, params))
+            results = await asyncio.gather(
+                *(
+                    serving.backend.generate(GenerateRequest(prompt_ids, _nth_seed(params, i)))
+                    for i in range(n)
+                )
+            )
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
             raise Unavailable(
                 "the inference backend failed; retry the request", code="backend_unavailable"
             ) from exc
-        # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
-        text = serving.template.decode(result.output_token_ids).replace("\x00", "\ufffd")
-
-        row = Completion(
-            id="chatcmpl-" + uuid.uuid4().hex,
-            run_id=run.id,
-            episode_id=placement.episode_id,
-            parent_id=parent.id if parent else None,
-            messages=messages,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=result.output_token_ids,
-            output_logprobs=result.output_logprobs,
-            content=text,
-            finish_reason=result.finish_reason,
-            temperature=temperature,
-            policy_version=result.policy_version,
-            conv_hash=conversation_hash([*messages, answer_message(text)]),
-            prompt_hash=conversation_hash(messages),
-            spliced=spliced,
-            drift=parent is not None and not spliced,
-            link=placement.link,
-        )
-        if row.drift:
-            logger.info(
-                "template drift in run %s after %s: new training sequence", run.id, parent.id
+        base_id = "chatcmpl-" + uuid.uuid4().hex
+        # n > 1: each choice is an episode of its own, and together they form one group.
+        group_id = placement.group_id if n == 1 else (placement.group_id or f"n-{base_id}")
+        rows = []
+        for i, result in enumerate(results):
+            # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
+            text = serving.template.decode(result.output_token_ids).replace("\x00", "\ufffd")
+            rows.append(
+                Completion(
+                    id=base_id if n == 1 else f"{base_id}-{i}",
+                    run_id=run.id,
+                    episode_id=(
+                        placement.episode_id if n == 1 else f"{placement.episode_id[:95]}.n{i}"
+                    ),
+                    parent_id=parent.id if parent else None,
+                    messages=messages,
+                    prompt_token_ids=prompt_ids,
+                    output_token_ids=result.output_token_ids,
+                    output_logprobs=result.output_logprobs,
+                    content=text,
+                    finish_reason=result.finish_reason,
+                    temperature=temperature,
+                    policy_version=result.policy_version,
+                    conv_hash=conversation_hash([*messages, answer_message(text)]),
+                    prompt_hash=conversation_hash(messages),
+                    spliced=spliced,
+                    drift=parent is not None and not spliced,
+                    link=placement.link,
+                )
             )
-        await self._store(row, placement.group_id)
-        return self._response(req, serving, row, result.output_logprobs)
+        if rows[0].drift:
+            logger.info("template drift in run %s after %s: new sequence", run.id, parent.id)
+        await self._store(rows, group_id)
+        return self._response(req, serving, base_id, group_id if n > 1 else None, rows)
 
-    async def _store(self, row: Completion, group_id: str | None) -> None:
-        """Insert the completion and, if new, its episode; concurrent first calls may race."""
+    async def _store(self, rows: list[Completion], group_id: str | None) -> None:
+        """Insert the completions and, if new, their episodes, in one transaction.
+
+        Concurrent first calls of one episode may race to create it: retried.
+        """
         for attempt in range(3):
             try:
                 async with self.sessions.begin() as s:
-                    ep = await repo.get_or_create_episode(s, row.run_id, row.episode_id, group_id)
-                    if ep.status == "rewarded" and not await repo.has_episode_reward(s, ep):
-                        # A new turn after per-turn rewards: the episode was not over after all.
-                        ep.status, ep.reward, ep.rewarded_at = "open", None, None
-                    s.add(row)
+                    for row in rows:
+                        ep = await repo.get_or_create_episode(
+                            s, row.run_id, row.episode_id, group_id
+                        )
+                        if ep.status == "rewarded" and not await repo.has_episode_reward(s, ep):
+                            # A new turn after per-turn rewards: the episode was not over.
+                            ep.status, ep.reward, ep.rewarded_at = "open", None, None
+                        s.add(row)
                 return
             except IntegrityError:
                 if attempt == 2:
                     raise
-                make_transient(row)
+                for row in rows:
+                    make_transient(row)
 
     @staticmethod
-    def _response(req, serving: RunServing, row: Completion, lps: list[float]) -> ChatCompletion:
-        logprobs = None
-        if req.logprobs:
-            tok = serving.template.tokenizer
-            logprobs = ChoiceLogprobs(
-                content=[
-                    TokenLogprob(token=tok.decode([t]), logprob=lp)
-                    for t, lp in zip(row.output_token_ids, lps, strict=True)
-                ]
-            )
-        n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
-        return ChatCompletion(
-            id=row.id,
-            model=req.model,
-            choices=[
+    def _response(
+        req, serving: RunServing, base_id: str, group_id: str | None, rows: list[Completion]
+    ) -> ChatCompletion:
+        tok = serving.template.tokenizer
+        choices = []
+        for i, row in enumerate(rows):
+            logprobs = None
+            if req.logprobs:
+                logprobs = ChoiceLogprobs(
+                    content=[
+                        TokenLogprob(token=tok.decode([t]), logprob=lp)
+                        for t, lp in zip(row.output_token_ids, row.output_logprobs, strict=True)
+                    ]
+                )
+            choices.append(
                 Choice(
-                    index=0,
+                    index=i,
                     message=ResponseMessage(content=row.content),
                     logprobs=logprobs,
                     finish_reason="length" if row.finish_reason == "length" else "stop",
+                    completion_id=row.id,
+                    episode_id=row.episode_id,
                 )
-            ],
+            )
+        n_prompt = len(rows[0].prompt_token_ids)
+        n_out = sum(len(r.output_token_ids) for r in rows)
+        return ChatCompletion(
+            id=base_id,
+            model=req.model,
+            choices=choices,
             usage=Usage(
                 prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
             ),
-            system_fingerprint=f"rlgate-{row.run_id}-v{row.policy_version}",
-            episode_id=row.episode_id,
-            policy_version=row.policy_version,
+            system_fingerprint=f"rlgate-{rows[0].run_id}-v{rows[0].policy_version}",
+            episode_id=rows[0].episode_id if len(rows) == 1 else None,
+            group_id=group_id,
+            policy_version=rows[0].policy_version,
         )
+
+
+def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a seeded n > 1 request samples with seed + i (distinct, reproducible)."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % 2**63)

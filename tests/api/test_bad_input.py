@@ -450,7 +450,7 @@ def test_oversize_chunked_body_is_413(
         ("temperature", -0.1),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("n", 2),
+        ("n", 17),
         ("max_tokens", 0),
         ("max_completion_tokens", -3),
         ("top_logprobs", 21),

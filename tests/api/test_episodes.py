@@ -152,3 +152,43 @@ def test_a_new_turn_reopens_an_episode_rewarded_per_turn(gateway_server, run):
     ack = http.post("/v1/rewards", json={"completion_id": two.id, "reward": 0.5}).json()
     assert ack["episode_status"] == "rewarded"
     assert gateway_server.query(q) == [("rewarded", 1.5)]  # the sum of both turns
+
+
+def test_n_choices_form_a_group_of_their_own(gateway_server, run, template):
+    http = httpx.Client(
+        base_url=gateway_server.url, headers={"Authorization": f"Bearer {run['api_key']}"}
+    )
+    resp = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": run["name"],
+            "n": 4,
+            "max_tokens": 6,
+            "seed": 3,
+            "messages": [{"role": "user", "content": "one plus two?"}],
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    group = resp.headers["X-Rlgate-Group-Id"]
+    assert body["group_id"] == group and len(body["choices"]) == 4
+    rows = [gateway_server.completion(c["completion_id"]) for c in body["choices"]]
+    for choice, row in zip(body["choices"], rows, strict=True):
+        # each choice is captured token-exact, as its own episode
+        assert template.decode(row["output_token_ids"]) == choice["message"]["content"]
+        assert row["episode_id"] == choice["episode_id"]
+    assert len({r["episode_id"] for r in rows}) == 4
+    episodes = gateway_server.query(
+        "SELECT DISTINCT group_id FROM episodes WHERE id IN (?, ?, ?, ?)",
+        tuple(r["episode_id"] for r in rows),
+    )
+    assert episodes == [(group,)]
+    assert body["usage"]["completion_tokens"] == sum(len(r["output_token_ids"]) for r in rows)
+    acks = http.post(
+        "/v1/rewards",
+        json=[
+            {"completion_id": c["completion_id"], "reward": float(i)}
+            for i, c in enumerate(body["choices"])
+        ],
+    ).json()
+    assert [a["episode_id"] for a in acks] == [c["episode_id"] for c in body["choices"]]

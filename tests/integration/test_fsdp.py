@@ -108,22 +108,30 @@ def test_two_rank_fsdp_step_matches_local_engine(
 
 
 def test_a_failing_step_raises_with_the_ranks_stderr(tiny_model_dir: Path, tmp_path: Path) -> None:
-    samples = _samples(2, 300)
+    corrupt = tmp_path / "samples.pt"
+    corrupt.write_bytes(b"not a torch file")
     with pytest.raises(FsdpStepError) as info:
         run_fsdp_step(
-            tmp_path / "no-such-checkpoint",
+            tiny_model_dir,
             0,
             CFG.model_dump(),
-            write_samples(samples, tmp_path / "samples.pt"),
+            corrupt,
             tmp_path / "v1",
             tiny_model_dir,
             world_size=2,
             timeout_s=300,
         )
     message = str(info.value)
-    assert "no-such-checkpoint" in message
-    assert "logs/" in message  # the per-rank stderr tails are attached
+    assert "[rank1]" in message or "rank1" in message  # every rank's stderr tail is attached
+    assert "UnpicklingError" in message
     assert not (tmp_path / "v1").exists()
+
+
+def test_a_missing_checkpoint_fails_before_launching(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        run_fsdp_step(
+            tmp_path / "nope", 0, CFG.model_dump(), tmp_path / "s.pt", tmp_path / "v1", tmp_path, 2
+        )
 
 
 def test_nccl_without_cuda_is_a_config_error() -> None:
