@@ -16,15 +16,18 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer.batch import Sample
+if TYPE_CHECKING:  # torch is imported only when the bench runs, not when the CLI parses
+    from trainer.batch import Sample
 
 
 def synthetic_samples(
     n: int, min_len: int, max_len: int, vocab: int, seed: int = 0
 ) -> list[Sample]:
     """`n` samples, lengths uniform in [min_len, max_len], the last ~70% of each trained."""
+    from trainer.batch import Sample
+
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -61,9 +64,8 @@ def bench_train(
     import torch
 
     from inference.models import resolve_model
-    from trainer.config import RunConfig
+    from trainer.config import ParallelConfig, RunConfig
     from trainer.fsdp_engine import FsdpEngine
-    from trainer.parallel import ParallelConfig
 
     # one thread, as each torchrun rank gets: on a shared machine more threads mostly spin
     torch.set_num_threads(threads)
@@ -118,8 +120,8 @@ def bench_train(
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlgate bench train", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The bench's options, for its own parser or an `rlgate bench train` subparser."""
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF directory")
     p.add_argument("--cache-dir", default=None, help="model cache (default: the data dir)")
     p.add_argument("--samples", type=int, default=32)
@@ -133,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the bench from parsed options; prints a line per mode, then the JSON line."""
     if args.cache_dir is None:
         from rlgate.settings import Settings
 
@@ -155,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(result))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlgate bench train", description=__doc__.splitlines()[0])
+    return run(add_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,12 @@ def _export(args: argparse.Namespace) -> int:
     return run_export(args)
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    from rlgate.bench_train import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlgate", description="Reinforcement learning as an API.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -125,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--status", default=None, help="only episodes with this status")
     export.add_argument("--min-version", type=int, default=None, help="only newer samples")
     export.set_defaults(func=_export)
+    from rlgate.bench_train import add_arguments as bench_train_arguments  # argparse only
+
+    bench = sub.add_parser("bench", help="figures against a baseline; the last line is JSON")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_train_arguments(
+        bench_sub.add_parser("train", help="packed vs padded training tokens/s")
+    ).set_defaults(func=_bench_train)
     return p
 
 

@@ -8,6 +8,29 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class ParallelConfig(BaseModel):
+    """How the FSDP engine shards, casts and batches. Defaults suit CPU (gloo, float32)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl when CUDA is available, else gloo"
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype of the all-gathered params (master copy stays fp32)"
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the gradient reduce-scatter"
+    )
+    reshard_after_forward: bool = Field(True, description="free gathered params after forward")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer")
+    packing: bool = Field(True, description="pack samples into one row; False: padded collate")
+    pack_tokens: int = Field(1024, ge=1, description="token budget of one packed micro-batch")
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="attention kernel; both accept the packed 4D mask"
+    )
+
+
 class RunConfig(BaseModel):
     """Per-run knobs, stored with the run and read by the scheduler and the trainer."""
 
@@ -48,6 +71,12 @@ class RunConfig(BaseModel):
     incomplete_groups: Literal["train", "drop"] = Field(
         "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
     )
+    # --- the training engine (see docs/trainer.md)
+    engine: Literal["local", "fsdp"] = Field(
+        "local", description="local: one process; fsdp: FSDP2 over torchrun ranks"
+    )
+    world_size: int = Field(1, ge=1, description="torchrun ranks per step (engine='fsdp')")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -60,6 +89,8 @@ class RunConfig(BaseModel):
             and self.reward_min > self.reward_max
         ):
             raise ValueError("reward_min is above reward_max: swap or widen them")
+        if self.world_size > 1 and self.engine != "fsdp":
+            raise ValueError("world_size > 1 needs engine='fsdp'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":
             raise ValueError("gamma only applies to reward_policy='discounted': set both")
         return self

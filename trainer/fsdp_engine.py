@@ -23,6 +23,7 @@ gathers the embedding, final norm and head.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from dataclasses import fields
@@ -35,13 +36,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from trainer.batch import Batch, Sample, collate
-from trainer.config import RunConfig
+from trainer.config import ParallelConfig, RunConfig
 from trainer.engine import TOKENIZER_FILES
 from trainer.losses.ppo import ppo_clip_loss
 from trainer.packing import greedy_pack_groups, pack, padded_groups, trainable_batch
 from trainer.parallel import (
     DTYPES,
-    ParallelConfig,
     apply_activation_checkpointing,
     apply_fsdp,
     init_distributed,
@@ -242,13 +242,13 @@ class FsdpEngine:
         if self.dist.rank == 0:
             out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
             state = {k.removeprefix("lm."): v for k, v in state.items()}
-            lm = self.policy.lm
-            if "lm_head.weight" not in state:  # a tied source model: write the head explicitly
-                state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-            lm.config.tie_word_embeddings = False
+            # a tied source model gets an explicit head (vLLM's in-place reload skips tied ones)
+            head, emb = "lm_head.weight", "model.embed_tokens.weight"
+            if head not in state or state[head].data_ptr() == state[emb].data_ptr():
+                state[head] = state[emb].clone()
             tmp = out_dir.with_name(out_dir.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            lm.save_pretrained(tmp, state_dict=state)
+            self._untied_shell().save_pretrained(tmp, state_dict=state)
             for name in TOKENIZER_FILES:
                 src = tokenizer_dir / name
                 if src.is_file() and not (tmp / name).exists():
@@ -256,6 +256,22 @@ class FsdpEngine:
             shutil.rmtree(out_dir, ignore_errors=True)
             tmp.rename(out_dir)
         dist.barrier()
+
+    def _untied_shell(self) -> nn.Module:
+        """An untied copy of the model's architecture on the meta device, for save_pretrained.
+
+        The live model cannot save itself untied: its modules are FSDP-wrapped
+        and a tied source model shares one parameter between embedding and head.
+        """
+        from transformers import AutoModelForCausalLM
+
+        lm = self.policy.lm
+        config = copy.deepcopy(lm.config)
+        config.tie_word_embeddings = False
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        shell.generation_config = copy.deepcopy(lm.generation_config)
+        return shell
 
     def close(self) -> None:
         """Leave the process group (the engine is unusable afterwards)."""

@@ -14,10 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from trainer.config import RunConfig
+from trainer.config import ParallelConfig, RunConfig
 from trainer.fsdp_engine import FsdpEngine
 from trainer.launch import read_samples
-from trainer.parallel import ParallelConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

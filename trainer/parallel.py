@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
@@ -30,29 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class ParallelConfig(BaseModel):
-    """How the FSDP engine shards, casts and batches. Defaults suit CPU (gloo, float32)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="auto: nccl when CUDA is available, else gloo"
-    )
-    param_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute dtype of the all-gathered params (master copy stays fp32)"
-    )
-    reduce_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the gradient reduce-scatter"
-    )
-    reshard_after_forward: bool = Field(True, description="free gathered params after forward")
-    activation_checkpointing: bool = Field(False, description="recompute each decoder layer")
-    packing: bool = Field(True, description="pack samples into one row; False: padded collate")
-    pack_tokens: int = Field(2048, ge=1, description="token budget of one packed micro-batch")
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="attention kernel; both accept the packed 4D mask"
-    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import statistics
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +27,7 @@ from trainer.batch import load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
 from trainer.engine import LocalEngine
+from trainer.launch import run_fsdp_step, write_samples
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +81,31 @@ class Trainer:
             samples, rewards, _groups, assembly = load_step_samples(s, run_id, step, cfg)
             if not samples:
                 raise RuntimeError(f"step {step} of run {run_id} has no samples")
-            engine = self.engine_for(run, cfg, s)
             model_path = Path(run.model_path)
-        metrics = engine.step(samples)
+            if cfg.engine == "fsdp":
+                pv = s.get(PolicyVersion, (run.id, run.current_version))
+                if pv is None:
+                    raise RuntimeError(f"run {run.id} has no checkpoint for v{run.current_version}")
+                checkpoint = Path(pv.checkpoint_path)
+            else:
+                engine = self.engine_for(run, cfg, s)
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        engine.save(out, model_path)
+        if cfg.engine == "fsdp":  # torchrun ranks in a subprocess: this worker may be a child
+            with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
+                metrics = run_fsdp_step(
+                    checkpoint,
+                    step,
+                    cfg.model_dump(mode="json"),
+                    write_samples(samples, Path(tmp) / "samples.pt"),
+                    out,
+                    model_path,
+                    cfg.world_size,
+                    parallel=cfg.parallel.model_dump(),
+                )
+        else:
+            metrics = engine.step(samples)
+            engine.save(out, model_path)
         versions = [s.min_version for s in samples]
         metrics |= {
             "sequences": float(assembly.sequences),

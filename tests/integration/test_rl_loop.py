@@ -27,9 +27,12 @@ def _wait_served(stack, run_id: str, version: int, timeout_s: float = 180) -> di
     raise AssertionError(f"version {version} never served; steps: {steps}")
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+@pytest.mark.parametrize(
+    ("database", "engine"),
+    [("sqlite", "local"), ("postgresql", "local"), ("sqlite", "fsdp")],
+)
 def test_train_step_through_redis_and_hot_swap(
-    database, redis_url, model_cache, tmp_path, request
+    database, engine, redis_url, model_cache, tmp_path, request
 ) -> None:
     from tests.integration.conftest import running_stack
 
@@ -50,7 +53,13 @@ def test_train_step_through_redis_and_hot_swap(
                 json={
                     "name": "it",
                     "model": "tiny",
-                    "config": {"group_size": 2, "groups_per_step": 2, "micro_batch_size": 2},
+                    "config": {
+                        "group_size": 2,
+                        "groups_per_step": 2,
+                        "micro_batch_size": 2,
+                        # fsdp: the worker launches 2 torchrun ranks (gloo) for the step
+                        **({"engine": "fsdp", "world_size": 2} if engine == "fsdp" else {}),
+                    },
                 },
             )
             assert r.status_code == 201, r.text
