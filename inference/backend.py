@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -10,6 +11,22 @@ from inference.types import GenerateRequest, GenerateResult
 
 class BackendError(Exception):
     """The backend could not serve a request (unavailable, overloaded, crashed)."""
+
+
+class TokenStream(Protocol):
+    """One streaming generation: its tokens, a way to stop it, and its final result."""
+
+    def tokens(self) -> AsyncIterator[tuple[int, float]]:
+        """(token id, logprob) pairs as they are sampled, until generation ends."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop at the next step; the result then has finish_reason "cancelled"."""
+        ...
+
+    async def result(self) -> GenerateResult:
+        """The whole sample, as `Backend.generate` would return it (partial if cancelled)."""
+        ...
 
 
 @runtime_checkable
@@ -26,6 +43,10 @@ class Backend(Protocol):
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Sample one completion for `request.prompt_token_ids`."""
+        ...
+
+    def start_stream(self, request: GenerateRequest) -> TokenStream:
+        """Start sampling; tokens arrive through the returned stream as they are sampled."""
         ...
 
     async def load_weights(self, checkpoint_dir: Path, version: int) -> None:

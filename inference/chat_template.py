@@ -57,4 +57,8 @@ class ChatTemplate:
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled ids, without special tokens (the stop token is not content)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(
+            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
+        return text.replace("\x00", "\ufffd")

@@ -13,8 +13,9 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +31,37 @@ logger = logging.getLogger(__name__)
 class _Job:
     request: GenerateRequest
     future: Future
+    on_token: Callable[[int, float], None] | None = None  # called from the worker thread
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class LocalStream:
+    """A generation whose tokens arrive as they are sampled (see `Backend.start_stream`)."""
+
+    def __init__(self, backend: LocalBackend, request: GenerateRequest) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+        self._job = _Job(request, Future(), on_token=self._push)
+        backend._submit(self._job)
+        self._job.future.add_done_callback(lambda _: self._push_threadsafe(None))
+
+    def _push(self, token: int, logprob: float) -> None:
+        self._push_threadsafe((token, logprob))
+
+    def _push_threadsafe(self, item: tuple[int, float] | None) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def tokens(self) -> AsyncIterator[tuple[int, float]]:
+        """(token id, logprob) pairs until generation ends."""
+        while (item := await self._queue.get()) is not None:
+            yield item
+
+    def cancel(self) -> None:
+        """Stop sampling this request at its next step; its result ends "cancelled"."""
+        self._job.cancelled.set()
+
+    async def result(self) -> GenerateResult:
+        return await asyncio.wrap_future(self._job.future)
 
 
 @dataclass
@@ -88,6 +120,11 @@ class LocalBackend:
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
         return await asyncio.wrap_future(self._submit(_Job(request, Future())))
+
+    def start_stream(self, request: GenerateRequest) -> LocalStream:
+        if not request.prompt_token_ids:
+            raise BackendError("empty prompt")
+        return LocalStream(self, request)
 
     async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
         await asyncio.wrap_future(self._submit(_Swap(Path(checkpoint_dir), version, Future())))
@@ -160,7 +197,7 @@ class LocalBackend:
         if not jobs:
             return
         try:
-            results = self._generate_batch([j.request for j in jobs])
+            results = self._generate_batch(jobs)
         except Exception as exc:
             logger.exception("batch generation failed")
             for j in jobs:
@@ -170,8 +207,9 @@ class LocalBackend:
             j.future.set_result(r)
 
     @torch.no_grad()
-    def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    def _generate_batch(self, jobs: list[_Job]) -> list[GenerateResult]:
         """Left-padded batched decoding with a KV cache; each row samples with its own params."""
+        requests = [j.request for j in jobs]
         version = self._version
         width = max(len(r.prompt_token_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
@@ -202,12 +240,16 @@ class LocalBackend:
             logits = out.logits[:, -1, :]
             next_ids = []
             for row, r in enumerate(requests):
+                if finish[row] is None and jobs[row].cancelled.is_set():
+                    finish[row] = "cancelled"
                 if finish[row] is not None:
                     next_ids.append(self.pad_id)
                     continue
                 token, lp = sample_row(logits[row], r.params, generators[row])
                 out_ids[row].append(token)
                 out_lps[row].append(lp)
+                if jobs[row].on_token is not None:
+                    jobs[row].on_token(token, lp)
                 if token in r.params.stop_token_ids:
                     finish[row] = "stop"
                 elif len(out_ids[row]) >= r.params.max_tokens:

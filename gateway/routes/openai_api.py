@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from gateway.deps import RunDep
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from gateway.services.episodes import EpisodeRef
+from gateway.services.streaming import ChatStream
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +30,18 @@ def episode_ref(request: Request) -> EpisodeRef:
     )
 
 
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(
     body: ChatCompletionRequest, run: RunDep, request: Request, response: Response
-) -> ChatCompletion:
+) -> ChatCompletion | StreamingResponse:
     if body.unknown_fields():
         logger.info("ignoring unknown chat fields: %s", body.unknown_fields())
-    if body.stream:
-        raise InvalidRequest("stream=true is not supported yet", param="stream")
     if body.model not in (run.name, run.model, run.id):
         raise NotFound(
             f"model {body.model!r} is not served for this key; use {run.name!r}",
@@ -41,6 +49,16 @@ async def chat_completions(
             code="model_not_found",
         )
     ref = episode_ref(request)
+    if body.stream:
+        if (body.n or 1) > 1:
+            raise InvalidRequest("stream=true with n > 1 is not supported yet", param="n")
+        prep = await request.app.state.chat.prepare(run, body, ref)
+        stream = ChatStream(request.app.state.chat, prep)
+        return StreamingResponse(
+            sse(stream.chunks()),
+            media_type="text/event-stream",
+            headers={"X-Rlgate-Episode-Id": prep.placement.episode_id, "Cache-Control": "no-cache"},
+        )
     resp = await request.app.state.chat.create(run, body, ref)
     if resp.episode_id is not None:
         response.headers["X-Rlgate-Episode-Id"] = resp.episode_id

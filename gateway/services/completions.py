@@ -6,7 +6,9 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -25,6 +27,7 @@ from gateway.protocol import (
 from gateway.services.backends import BackendPool, RunServing
 from gateway.services.episodes import (
     EpisodeRef,
+    Placement,
     answer_message,
     conversation_hash,
     explicit_ids,
@@ -33,12 +36,26 @@ from gateway.services.episodes import (
 from gateway.store import repo
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError
-from inference.types import MIN_TEMPERATURE, GenerateRequest, SamplingParams
+from inference.types import MIN_TEMPERATURE, GenerateRequest, GenerateResult, SamplingParams
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chat call ready to sample: where it goes and exactly which ids the model will see."""
+
+    run: Run
+    req: ChatCompletionRequest
+    serving: RunServing
+    messages: list[dict[str, Any]]
+    placement: Placement
+    prompt_ids: list[int]
+    spliced: bool
+    params: SamplingParams
 
 
 class ChatService:
@@ -61,7 +78,11 @@ class ChatService:
             logger.exception("could not load the model of run %s", run.id)
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
 
-    async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
+    async def prepare(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> Prepared:
+        """Everything before sampling: ids, placement, the token-exact prompt, sampling params.
+
+        Every client error is raised here, before a stream could have started.
+        """
         explicit_ids(ref, req.metadata)  # validate ids before any work
         try:
             messages = [m.normalized() for m in req.messages]
@@ -111,6 +132,11 @@ class ChatService:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params)
+
+    async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
+        prep = await self.prepare(run, req, ref)
+        serving, params, prompt_ids = prep.serving, prep.params, prep.prompt_ids
         n = req.n or 1
         try:
             results = await asyncio.gather(
@@ -126,40 +152,52 @@ class ChatService:
             ) from exc
         base_id = "chatcmpl-" + uuid.uuid4().hex
         # n > 1: each choice is an episode of its own, and together they form one group.
-        group_id = placement.group_id if n == 1 else (placement.group_id or f"n-{base_id}")
-        rows = []
-        for i, result in enumerate(results):
-            # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
-            text = serving.template.decode(result.output_token_ids).replace("\x00", "\ufffd")
-            rows.append(
-                Completion(
-                    id=base_id if n == 1 else f"{base_id}-{i}",
-                    run_id=run.id,
-                    episode_id=(
-                        placement.episode_id if n == 1 else f"{placement.episode_id[:95]}.n{i}"
-                    ),
-                    parent_id=parent.id if parent else None,
-                    messages=messages,
-                    prompt_token_ids=prompt_ids,
-                    output_token_ids=result.output_token_ids,
-                    output_logprobs=result.output_logprobs,
-                    content=text,
-                    finish_reason=result.finish_reason,
-                    temperature=temperature,
-                    policy_version=result.policy_version,
-                    conv_hash=conversation_hash([*messages, answer_message(text)]),
-                    prompt_hash=conversation_hash(messages),
-                    spliced=spliced,
-                    drift=parent is not None and not spliced,
-                    link=placement.link,
-                )
+        group_id = (
+            prep.placement.group_id if n == 1 else (prep.placement.group_id or f"n-{base_id}")
+        )
+        rows = [
+            self.completion_row(
+                prep, base_id if n == 1 else f"{base_id}-{i}", i if n > 1 else None, r
             )
-        if rows[0].drift:
-            logger.info("template drift in run %s after %s: new sequence", run.id, parent.id)
-        await self._store(rows, group_id)
+            for i, r in enumerate(results)
+        ]
+        await self.store(rows, group_id)
         return self._response(req, serving, base_id, group_id if n > 1 else None, rows)
 
-    async def _store(self, rows: list[Completion], group_id: str | None) -> None:
+    @staticmethod
+    def completion_row(
+        prep: Prepared, completion_id: str, choice: int | None, result: GenerateResult
+    ) -> Completion:
+        """The stored record of one sample; `choice` is set for the choices of n > 1."""
+        placement, parent = prep.placement, prep.placement.parent
+        episode_id = placement.episode_id
+        if choice is not None:
+            episode_id = f"{placement.episode_id[:95]}.n{choice}"
+        text = prep.serving.template.decode(result.output_token_ids)
+        row = Completion(
+            id=completion_id,
+            run_id=prep.run.id,
+            episode_id=episode_id,
+            parent_id=parent.id if parent else None,
+            messages=prep.messages,
+            prompt_token_ids=prep.prompt_ids,
+            output_token_ids=result.output_token_ids,
+            output_logprobs=result.output_logprobs,
+            content=text,
+            finish_reason=result.finish_reason,
+            temperature=prep.params.temperature,
+            policy_version=result.policy_version,
+            conv_hash=conversation_hash([*prep.messages, answer_message(text)]),
+            prompt_hash=conversation_hash(prep.messages),
+            spliced=prep.spliced,
+            drift=parent is not None and not prep.spliced,
+            link=placement.link,
+        )
+        if row.drift:
+            logger.info("template drift in run %s after %s: new sequence", prep.run.id, parent.id)
+        return row
+
+    async def store(self, rows: list[Completion], group_id: str | None) -> None:
         """Insert the completions and, if new, their episodes, in one transaction.
 
         Concurrent first calls of one episode may race to create it: retried.

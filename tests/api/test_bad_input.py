@@ -497,12 +497,27 @@ def test_bad_messages_are_400(http: httpx.Client, gateway_server: GatewayServer,
             assert err["param"] is not None and err["param"].startswith("messages"), err
 
 
-def test_streaming_is_refused_cleanly(
+def test_streaming_with_several_choices_is_refused_cleanly(
     oai: openai.OpenAI, run: dict, gateway_server: GatewayServer
 ) -> None:
     with no_writes(gateway_server), pytest.raises(openai.BadRequestError) as exc:
-        oai.chat.completions.create(model=run["name"], messages=USER, max_tokens=2, stream=True)
-    assert exc.value.param == "stream"
+        oai.chat.completions.create(
+            model=run["name"], messages=USER, max_tokens=2, stream=True, n=2
+        )
+    assert exc.value.param == "n"
+
+
+def test_bad_stream_request_errors_before_the_stream_starts(
+    http: httpx.Client, run: dict, gateway_server: GatewayServer
+) -> None:
+    # client errors of a streaming call come as a plain JSON error, not as an SSE body
+    with no_writes(gateway_server):
+        resp = http.post(
+            "/v1/chat/completions",
+            json={"model": run["name"], "messages": USER, "stream": True, "max_tokens": 10**9},
+        )
+    err = assert_error(resp, 400)
+    assert err["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("max_tokens", [1024, 5000, 10**9])

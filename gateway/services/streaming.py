@@ -1,0 +1,130 @@
+"""Token-by-token streaming of a chat completion as OpenAI's `chat.completion.chunk`s.
+
+Ordering: the role chunk goes out first; each sampled token is decoded
+incrementally and sent as soon as it forms whole characters; when sampling
+ends, the completion is STORED, then the finish chunk (and the usage chunk,
+if asked for) is sent, then `[DONE]`. A client that disconnects mid-stream
+cancels generation at the backend's next step; the partial completion is
+stored with finish_reason "cancelled" (the trainer does not train on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from gateway.services.completions import ChatService, Prepared
+from inference.backend import BackendError, TokenStream
+from inference.types import GenerateRequest, GenerateResult
+
+logger = logging.getLogger(__name__)
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id list; holds back bytes of an unfinished character."""
+
+    def __init__(self, decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+    def flush(self) -> str:
+        text = self.decode(self.ids)
+        piece = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent = text
+        return piece
+
+
+class ChatStream:
+    """One streaming call: `chunks()` yields JSON-ready chunk dicts."""
+
+    def __init__(self, chat: ChatService, prep: Prepared) -> None:
+        self.chat = chat
+        self.prep = prep
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.stream: TokenStream = prep.serving.backend.start_stream(
+            GenerateRequest(prep.prompt_ids, prep.params)
+        )
+        opts = prep.req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.stored = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> dict:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.prep.req.model,
+            "system_fingerprint": f"rlgate-{self.prep.run.id}-v{self.prep.serving.backend.version}",
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ],
+            # --- rlgate extension: the episode this call is filed under
+            "episode_id": self.prep.placement.episode_id,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, pending: list[tuple[int, float]]) -> dict | None:
+        if not self.prep.req.logprobs:
+            return None
+        tok = self.prep.serving.template.tokenizer
+        return {"content": [{"token": tok.decode([t]), "logprob": lp} for t, lp in pending]}
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        decoder = IncrementalDecoder(self.prep.serving.template.decode)
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})
+            pending: list[tuple[int, float]] = []
+            async for token, logprob in self.stream.tokens():
+                pending.append((token, logprob))
+                piece = decoder.push(token)
+                if piece:
+                    yield self._chunk({"content": piece}, logprobs=self._logprobs(pending))
+                    pending = []
+            result = await self.stream.result()
+            rest = decoder.flush()
+            if rest or pending:
+                yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
+            row = await self._store(result)
+            finish = "length" if result.finish_reason == "length" else "stop"
+            yield self._chunk({}, finish)
+            if self.include_usage:
+                n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
+                usage = {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_out,
+                    "total_tokens": n_prompt + n_out,
+                }
+                yield {**self._chunk({}), "choices": [], "usage": usage}
+            logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
+        finally:
+            if not self.stored:
+                # Disconnected (or failed) mid-stream: stop sampling, keep what was sampled.
+                with anyio.CancelScope(shield=True):
+                    self.stream.cancel()
+                    try:
+                        await self._store(await self.stream.result())
+                    except BackendError:
+                        logger.warning("stream %s failed before anything could be stored", self.id)
+
+    async def _store(self, result: GenerateResult):
+        row = self.chat.completion_row(self.prep, self.id, None, result)
+        await self.chat.store([row], self.prep.placement.group_id)
+        self.stored = True
+        return row
