@@ -31,7 +31,7 @@ class ChatMessage(OpenAIModel):
         """The message as stored and hashed: role, text, and tool fields when present."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [normalized_tool_call(c) for c in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         if self.name:
@@ -50,6 +50,30 @@ class ChatMessage(OpenAIModel):
                 raise ValueError(f"content part type {part.get('type')!r} is not supported")
             out.append(str(part.get("text", "")))
         return "".join(out)
+
+
+def normalized_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """Only the fields that identify a call; SDKs echo extra ones (index, None values)."""
+    fn = call.get("function") or {}
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError("a tool call needs function.name")
+    return {
+        "id": str(call.get("id", "")),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": str(fn.get("arguments") or "{}")},
+    }
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class StreamOptions(OpenAIModel):
@@ -72,8 +96,29 @@ class ChatCompletionRequest(OpenAIModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
+    parallel_tool_calls: bool | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+        if self.tool_choice in ("required",) and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")
     @classmethod
@@ -106,6 +151,7 @@ class ChoiceLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Choice(BaseModel):

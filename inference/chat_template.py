@@ -20,23 +20,32 @@ class ChatTemplate:
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             stop.add(im_end)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stop if t is not None))
+        # Templates that render `tools` themselves (Qwen, Hermes); others get a Hermes prompt.
+        self.native_tools = "tools" in self.tokenizer.chat_template
 
-    def render_text(self, messages: list[dict[str, Any]]) -> str:
+    def render_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The template's text for `messages`, ending with the assistant generation prompt."""
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
 
     def encode(self, text: str) -> list[int]:
         """Ids of template text (special tokens in it are parsed; none are added)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Prompt ids for `messages`, ending with the assistant generation prompt."""
-        return self.encode(self.render_text(messages))
+        return self.encode(self.render_text(messages, tools))
 
     def continue_from(
-        self, sampled_ids: list[int], messages: list[dict[str, Any]]
+        self,
+        sampled_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], bool]:
         """Prompt ids for `messages` that reuse `sampled_ids` (an earlier turn's prompt + output).
 
@@ -50,7 +59,7 @@ class ChatTemplate:
         seen = self.tokenizer.decode(
             sampled_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
-        full = self.render_text(messages)
+        full = self.render_text(messages, tools)
         if full.startswith(seen):
             return list(sampled_ids) + self.encode(full[len(seen) :]), True
         return self.encode(full), False

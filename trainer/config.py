@@ -71,6 +71,7 @@ class RunConfig(BaseModel):
     incomplete_groups: Literal["train", "drop"] = Field(
         "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
     )
+    tool_parser: str = Field("hermes", description="how tool calls are read from sampled text")
     # --- the training engine (see docs/trainer.md)
     engine: Literal["local", "fsdp"] = Field(
         "local", description="local: one process; fsdp: FSDP2 over torchrun ranks"
@@ -89,6 +90,10 @@ class RunConfig(BaseModel):
             and self.reward_min > self.reward_max
         ):
             raise ValueError("reward_min is above reward_max: swap or widen them")
+        from inference.tool_parsers import parser_names
+
+        if self.tool_parser not in parser_names():
+            raise ValueError(f"tool_parser must be one of {parser_names()}")
         if self.world_size > 1 and self.engine != "fsdp":
             raise ValueError("world_size > 1 needs engine='fsdp'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":

@@ -28,14 +28,18 @@ from gateway.services.backends import BackendPool, RunServing
 from gateway.services.episodes import (
     EpisodeRef,
     Placement,
+    ancestry,
     answer_message,
     conversation_hash,
     explicit_ids,
     place,
+    with_sampled_answers,
 )
 from gateway.store import repo
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError
+from inference.tool_parsers import ToolParser, get_parser
+from inference.tool_prompt import with_tools
 from inference.types import MIN_TEMPERATURE, GenerateRequest, GenerateResult, SamplingParams
 from trainer.config import RunConfig
 
@@ -56,6 +60,7 @@ class Prepared:
     prompt_ids: list[int]
     spliced: bool
     params: SamplingParams
+    tool_parser: ToolParser | None = None  # set when the call offers tools
 
 
 class ChatService:
@@ -94,19 +99,26 @@ class ChatService:
             placement = await place(
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
+            chain = await ancestry(s, placement.parent)
         parent = placement.parent
+        template = serving.template
+        # Our own earlier answers are rendered as the text that was sampled (tool calls
+        # included), not rebuilt from the structured message the agent echoed.
+        to_render = with_sampled_answers(messages, chain, template.decode)
+        to_render, native_tools = with_tools(
+            to_render, req.tool_dicts(), req.tool_choice, template.native_tools
+        )
         try:
             if parent is not None:
                 prompt_ids, spliced = await asyncio.to_thread(
-                    serving.template.continue_from,
+                    template.continue_from,
                     list(parent.prompt_token_ids) + list(parent.output_token_ids),
-                    messages,
+                    to_render,
+                    native_tools,
                 )
             else:
-                prompt_ids, spliced = (
-                    await asyncio.to_thread(serving.template.render, messages),
-                    False,
-                )
+                prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)
+                spliced = False
         except Exception as exc:  # a template can raise on roles or shapes it does not know
             raise InvalidRequest(
                 f"messages could not be rendered: {exc}", param="messages"
@@ -132,7 +144,8 @@ class ChatService:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params)
+        parser = get_parser(cfg.tool_parser) if req.tools_active() else None
+        return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params, parser)
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
         prep = await self.prepare(run, req, ref)
@@ -174,6 +187,12 @@ class ChatService:
         if choice is not None:
             episode_id = f"{placement.episode_id[:95]}.n{choice}"
         text = prep.serving.template.decode(result.output_token_ids)
+        calls: list[dict[str, Any]] = []
+        if prep.tool_parser is not None:
+            text, parsed = prep.tool_parser(text)
+            if prep.req.parallel_tool_calls is False:
+                parsed = parsed[:1]
+            calls = [c.to_openai() for c in parsed]
         row = Completion(
             id=completion_id,
             run_id=prep.run.id,
@@ -187,7 +206,8 @@ class ChatService:
             finish_reason=result.finish_reason,
             temperature=prep.params.temperature,
             policy_version=result.policy_version,
-            conv_hash=conversation_hash([*prep.messages, answer_message(text)]),
+            tool_calls=calls or None,
+            conv_hash=conversation_hash([*prep.messages, answer_message(text, calls)]),
             prompt_hash=conversation_hash(prep.messages),
             spliced=prep.spliced,
             drift=parent is not None and not prep.spliced,
@@ -238,9 +258,12 @@ class ChatService:
             choices.append(
                 Choice(
                     index=i,
-                    message=ResponseMessage(content=row.content),
+                    message=ResponseMessage(
+                        content=row.content if (row.content or not row.tool_calls) else None,
+                        tool_calls=row.tool_calls,
+                    ),
                     logprobs=logprobs,
-                    finish_reason="length" if row.finish_reason == "length" else "stop",
+                    finish_reason=finish_reason(row),
                     completion_id=row.id,
                     episode_id=row.episode_id,
                 )
@@ -259,6 +282,12 @@ class ChatService:
             group_id=group_id,
             policy_version=rows[0].policy_version,
         )
+
+
+def finish_reason(row: Completion) -> str:
+    if row.tool_calls:
+        return "tool_calls"
+    return "length" if row.finish_reason == "length" else "stop"
 
 
 def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:

@@ -59,8 +59,36 @@ def conversation_hash(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def answer_message(content: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": content}
+def answer_message(content: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Our answer as the agent will echo it (the same shape as ChatMessage.normalized)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+async def ancestry(
+    session: AsyncSession, parent: Completion | None, limit: int = 256
+) -> list[Completion]:
+    """`parent`, its parent, and so on (nearest first)."""
+    chain: list[Completion] = []
+    node = parent
+    while node is not None and len(chain) < limit:
+        chain.append(node)
+        node = await session.get(Completion, node.parent_id) if node.parent_id else None
+    return chain
+
+
+def with_sampled_answers(
+    messages: list[dict[str, Any]], chain: list[Completion], decode
+) -> list[dict[str, Any]]:
+    """Replace each answer rlgate produced in `messages` by the text the model sampled."""
+    out = list(messages)
+    for c in chain:
+        i = len(c.messages)
+        if i < len(out) and out[i].get("role") == "assistant":
+            out[i] = {"role": "assistant", "content": decode(list(c.output_token_ids))}
+    return out
 
 
 def explicit_ids(

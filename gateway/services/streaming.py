@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from gateway.services.completions import ChatService, Prepared
+from gateway.services.completions import ChatService, Prepared, finish_reason
 from inference.backend import BackendError, TokenStream
 from inference.types import GenerateRequest, GenerateResult
 
@@ -91,19 +91,26 @@ class ChatStream:
         try:
             yield self._chunk({"role": "assistant", "content": ""})
             pending: list[tuple[int, float]] = []
+            # With tools offered, text may turn out to be a tool call: it is held back and
+            # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
+            tools = self.prep.tool_parser is not None
             async for token, logprob in self.stream.tokens():
                 pending.append((token, logprob))
                 piece = decoder.push(token)
-                if piece:
+                if piece and not tools:
                     yield self._chunk({"content": piece}, logprobs=self._logprobs(pending))
                     pending = []
             result = await self.stream.result()
             rest = decoder.flush()
-            if rest or pending:
-                yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
             row = await self._store(result)
-            finish = "length" if result.finish_reason == "length" else "stop"
-            yield self._chunk({}, finish)
+            if tools:
+                if row.content or pending:
+                    yield self._chunk({"content": row.content}, logprobs=self._logprobs(pending))
+                for i, call in enumerate(row.tool_calls or []):
+                    yield self._chunk({"tool_calls": [{"index": i, **call}]})
+            elif rest or pending:
+                yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
+            yield self._chunk({}, finish_reason(row))
             if self.include_usage:
                 n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
                 usage = {

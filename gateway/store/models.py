@@ -116,6 +116,8 @@ class Completion(Base):
     drift: Mapped[bool] = mapped_column(Boolean, default=False)
     # How the call found its episode: path, header, metadata, prefix (matched) or new.
     link: Mapped[str | None] = mapped_column(String(10), nullable=True)
+    # Tool calls parsed from the sampled text (OpenAI's shape); the text stays in the ids.
+    tool_calls: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Reward(Base):
