@@ -8,6 +8,7 @@
     ├── Conflict                  409 conflict_error
     ├── Unprocessable             422 invalid_request_error
     ├── PayloadTooLarge           413 invalid_request_error
+    ├── RateLimited               429 rate_limit_error (with Retry-After)
     ├── Unavailable               503 service_unavailable (retryable)
     └── ...
 
@@ -81,13 +82,25 @@ class Unprocessable(APIError):
     status = 422
 
 
+class RateLimited(APIError):
+    """Paused run or a full backend queue: retry after `retry_after_s`."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **kw) -> None:
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
+
+
 class Unavailable(APIError):
     status = 503
     type = "service_unavailable"
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, RateLimited) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:

@@ -91,6 +91,7 @@ class ChatCompletionRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     n: int | None = Field(1, ge=1, le=16)
     presence_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -111,6 +112,11 @@ class ChatCompletionRequest(OpenAIModel):
         if self.tool_choice in ("required",) and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
         return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         if not self.tools:
@@ -152,6 +158,8 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # --- rlgate extension (as vLLM names it): the <think> part, when a run parses reasoning
+    reasoning_content: str | None = None
 
 
 class Choice(BaseModel):

@@ -10,7 +10,11 @@ from inference.types import GenerateRequest, GenerateResult
 
 
 class BackendError(Exception):
-    """The backend could not serve a request (unavailable, overloaded, crashed)."""
+    """The backend could not serve a request (unavailable, crashed)."""
+
+
+class BackendOverloaded(BackendError):
+    """Too many requests are waiting: the caller should retry a little later."""
 
 
 class TokenStream(Protocol):

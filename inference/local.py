@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from inference.backend import BackendError
+from inference.backend import BackendError, BackendOverloaded
 from inference.sampling import sample_row
 from inference.types import GenerateRequest, GenerateResult
 
@@ -92,10 +92,14 @@ class LocalBackend:
         max_batch_size: int = 32,
         batch_wait_s: float = 0.05,
         device: str = "cpu",
+        decode: Callable[[list[int]], str] | None = None,
+        max_pending: int = 512,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
+        self.decode = decode  # needed for stop strings only
+        self.max_pending = max_pending
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.device = torch.device(device)
@@ -141,6 +145,8 @@ class LocalBackend:
     def _submit(self, item: _Job | _Swap) -> Future:
         if self._closed:
             raise BackendError("local backend is closed")
+        if isinstance(item, _Job) and self._queue.qsize() >= self.max_pending:
+            raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
         self._queue.put(item)
         return item.future
 
@@ -250,7 +256,7 @@ class LocalBackend:
                 out_lps[row].append(lp)
                 if jobs[row].on_token is not None:
                     jobs[row].on_token(token, lp)
-                if token in r.params.stop_token_ids:
+                if token in r.params.stop_token_ids or self._hit_stop(out_ids[row], r.params):
                     finish[row] = "stop"
                 elif len(out_ids[row]) >= r.params.max_tokens:
                     finish[row] = "length"
@@ -264,6 +270,14 @@ class LocalBackend:
             GenerateResult(o, lp, f or "length", version)
             for o, lp, f in zip(out_ids, out_lps, finish, strict=True)
         ]
+
+    def _hit_stop(self, ids: list[int], params) -> bool:
+        """Whether the tail of the sampled text now contains a stop string."""
+        if not params.stop or self.decode is None:
+            return False
+        window = max(len(s) for s in params.stop) + 8  # tokens: at least a char each
+        tail = self.decode(ids[-window:])
+        return any(s in tail for s in params.stop)
 
     @staticmethod
     def _generator(request: GenerateRequest) -> torch.Generator | None:

@@ -69,6 +69,8 @@ def with_tools(
     native: bool,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages to render, tools to hand to the template natively or None)."""
+    # Chat templates know "system"; OpenAI's "developer" role means the same to them.
+    messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     active = bool(tools) and tool_choice != "none"
     if native:
         return messages, (tools if active else None)

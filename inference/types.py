@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: sampling ends once the text contains one
 
     def __post_init__(self) -> None:
         # Checked here, before a request joins a batch, so one bad request cannot fail others.
@@ -38,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise ValueError("stop takes up to 4 non-empty strings")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
@@ -66,3 +69,9 @@ class GenerateResult:
     def __post_init__(self) -> None:
         if len(self.output_token_ids) != len(self.output_logprobs):
             raise ValueError("output_token_ids and output_logprobs differ in length")
+
+
+def truncate_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before the earliest stop string (OpenAI leaves the stop string out)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]

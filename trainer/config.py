@@ -72,6 +72,9 @@ class RunConfig(BaseModel):
         "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
     )
     tool_parser: str = Field("hermes", description="how tool calls are read from sampled text")
+    reasoning_parser: Literal["none", "think"] = Field(
+        "none", description="think: return <think>...</think> as reasoning_content"
+    )
     # --- the training engine (see docs/trainer.md)
     engine: Literal["local", "fsdp"] = Field(
         "local", description="local: one process; fsdp: FSDP2 over torchrun ranks"

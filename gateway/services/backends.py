@@ -52,9 +52,12 @@ class BackendPool:
         source = ckpt if ckpt is not None else model_dir
         if not source.is_dir():
             raise OSError(f"checkpoint {source} of version {version} is missing")
-        be = LocalBackend(source, version=version, max_batch_size=self.max_batch_size)
+        template = ChatTemplate(model_dir)
+        be = LocalBackend(
+            source, version=version, max_batch_size=self.max_batch_size, decode=template.decode
+        )
         logger.info("loaded %s (version %d) for serving", source, version)
-        return RunServing(be, ChatTemplate(model_dir), be.max_context)
+        return RunServing(be, template, be.max_context)
 
     async def unload(self, run_id: str) -> None:
         serving = self._serving.pop(run_id, None)

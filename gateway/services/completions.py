@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
-from gateway.errors import InvalidRequest, Unavailable
+from gateway.errors import InvalidRequest, RateLimited, Unavailable
 from gateway.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -37,10 +37,17 @@ from gateway.services.episodes import (
 )
 from gateway.store import repo
 from gateway.store.models import Completion, Run
-from inference.backend import BackendError
+from inference.backend import BackendError, BackendOverloaded
+from inference.reasoning import split_reasoning
 from inference.tool_parsers import ToolParser, get_parser
 from inference.tool_prompt import with_tools
-from inference.types import MIN_TEMPERATURE, GenerateRequest, GenerateResult, SamplingParams
+from inference.types import (
+    MIN_TEMPERATURE,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    truncate_at_stop,
+)
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,7 @@ class Prepared:
     spliced: bool
     params: SamplingParams
     tool_parser: ToolParser | None = None  # set when the call offers tools
+    reasoning: bool = False  # split <think>...</think> into reasoning_content
 
 
 class ChatService:
@@ -89,6 +97,22 @@ class ChatService:
         Every client error is raised here, before a stream could have started.
         """
         explicit_ids(ref, req.metadata)  # validate ids before any work
+        if run.status != "active":
+            raise RateLimited(f"run {run.id} is {run.status}; retry later", retry_after_s=5)
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                raise InvalidRequest(
+                    f"{name} is not supported by the local backend: penalised sampling would "
+                    "make the reported logprobs differ from the trainer's",
+                    param=name,
+                )
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise InvalidRequest(
+                f"response_format {fmt!r} needs a backend with guided decoding (vLLM); "
+                "the local backend has none",
+                param="response_format",
+            )
         try:
             messages = [m.normalized() for m in req.messages]
         except ValueError as exc:
@@ -141,6 +165,7 @@ class ChatService:
                 top_p=req.top_p or 1.0,
                 seed=req.seed,
                 stop_token_ids=serving.template.stop_token_ids,
+                stop=req.stop_strings(),
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
@@ -158,6 +183,8 @@ class ChatService:
                     for i in range(n)
                 )
             )
+        except BackendOverloaded as exc:
+            raise RateLimited(f"the run's backend is at capacity: {exc}") from exc
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
             raise Unavailable(
@@ -186,8 +213,13 @@ class ChatService:
         episode_id = placement.episode_id
         if choice is not None:
             episode_id = f"{placement.episode_id[:95]}.n{choice}"
-        text = prep.serving.template.decode(result.output_token_ids)
+        text = truncate_at_stop(
+            prep.serving.template.decode(result.output_token_ids), prep.params.stop
+        )
         calls: list[dict[str, Any]] = []
+        reasoning = None
+        if prep.reasoning:
+            reasoning, text = split_reasoning(text)
         if prep.tool_parser is not None:
             text, parsed = prep.tool_parser(text)
             if prep.req.parallel_tool_calls is False:
@@ -207,6 +239,7 @@ class ChatService:
             temperature=prep.params.temperature,
             policy_version=result.policy_version,
             tool_calls=calls or None,
+            reasoning_content=reasoning,
             conv_hash=conversation_hash([*prep.messages, answer_message(text, calls)]),
             prompt_hash=conversation_hash(prep.messages),
             spliced=prep.spliced,
@@ -261,6 +294,7 @@ class ChatService:
                     message=ResponseMessage(
                         content=row.content if (row.content or not row.tool_calls) else None,
                         tool_calls=row.tool_calls,
+                        reasoning_content=row.reasoning_content,
                     ),
                     logprobs=logprobs,
                     finish_reason=finish_reason(row),

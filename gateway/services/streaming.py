@@ -20,31 +20,47 @@ import anyio
 
 from gateway.services.completions import ChatService, Prepared, finish_reason
 from inference.backend import BackendError, TokenStream
-from inference.types import GenerateRequest, GenerateResult
+from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 
 logger = logging.getLogger(__name__)
 
 
 class IncrementalDecoder:
-    """Text deltas of a growing id list; holds back bytes of an unfinished character."""
+    """Text deltas of a growing id list.
 
-    def __init__(self, decode) -> None:
+    Holds back the bytes of an unfinished character, and any tail that could
+    be the start of a stop string; never sends a stop string or what follows.
+    """
+
+    def __init__(self, decode, stop: tuple[str, ...] = ()) -> None:
         self.decode = decode
+        self.stop = stop
         self.ids: list[int] = []
         self.sent = ""
+
+    def _visible(self, text: str, final: bool) -> str:
+        cut = truncate_at_stop(text, self.stop)
+        if cut != text or final:
+            return cut
+        hold = max(
+            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+        )
+        return text[: len(text) - hold]
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
+        if text.endswith("\ufffd"):
             return ""
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
+        return self._advance(self._visible(text, final=False))
 
     def flush(self) -> str:
-        text = self.decode(self.ids)
-        piece = text[len(self.sent) :] if text.startswith(self.sent) else ""
-        self.sent = text
+        return self._advance(self._visible(self.decode(self.ids), final=True))
+
+    def _advance(self, visible: str) -> str:
+        if not visible.startswith(self.sent):
+            return ""
+        piece, self.sent = visible[len(self.sent) :], visible
         return piece
 
 
@@ -87,13 +103,13 @@ class ChatStream:
         return {"content": [{"token": tok.decode([t]), "logprob": lp} for t, lp in pending]}
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        decoder = IncrementalDecoder(self.prep.serving.template.decode)
+        decoder = IncrementalDecoder(self.prep.serving.template.decode, self.prep.params.stop)
         try:
             yield self._chunk({"role": "assistant", "content": ""})
             pending: list[tuple[int, float]] = []
             # With tools offered, text may turn out to be a tool call: it is held back and
             # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
-            tools = self.prep.tool_parser is not None
+            tools = self.prep.tool_parser is not None or self.prep.reasoning
             async for token, logprob in self.stream.tokens():
                 pending.append((token, logprob))
                 piece = decoder.push(token)
@@ -104,6 +120,8 @@ class ChatStream:
             rest = decoder.flush()
             row = await self._store(result)
             if tools:
+                if row.reasoning_content:
+                    yield self._chunk({"reasoning_content": row.reasoning_content})
                 if row.content or pending:
                     yield self._chunk({"content": row.content}, logprobs=self._logprobs(pending))
                 for i, call in enumerate(row.tool_calls or []):

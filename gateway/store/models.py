@@ -118,6 +118,7 @@ class Completion(Base):
     link: Mapped[str | None] = mapped_column(String(10), nullable=True)
     # Tool calls parsed from the sampled text (OpenAI's shape); the text stays in the ids.
     tool_calls: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    reasoning_content: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Reward(Base):

@@ -26,12 +26,14 @@ def upgrade() -> None:
         )
         batch.add_column(sa.Column("link", sa.String(10), nullable=True))
         batch.add_column(sa.Column("tool_calls", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("reasoning_content", sa.Text(), nullable=True))
     op.create_index("ix_completions_run_conv_hash", "completions", ["run_id", "conv_hash"])
 
 
 def downgrade() -> None:
     op.drop_index("ix_completions_run_conv_hash", table_name="completions")
     with op.batch_alter_table("completions") as batch:
+        batch.drop_column("reasoning_content")
         batch.drop_column("tool_calls")
         batch.drop_column("link")
         batch.drop_column("drift")
