@@ -141,6 +141,9 @@ def convert_smollm2(out: Path) -> None:
         )
     pkg_dir = Path(spec.origin).parent
     logger.info("converting %s (about 20 s, once)", pkg_dir / SMOLLM2_GGUF)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line of ours instead of three bars of theirs
     tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=SMOLLM2_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(
         pkg_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32

@@ -259,10 +259,12 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     )
     t0 = time.perf_counter()
     print(f"rlgate demo: model={cfg.model} steps={cfg.steps} seed={cfg.seed} out={cfg.out}")
-    print("preparing the model and starting gateway + Celery worker ...", flush=True)
+
     from inference.models import resolve_model
 
+    print("preparing the model (SmolLM2 is converted once, about 20 s) ...", flush=True)
     resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
+    print("starting the gateway and a Celery worker ...", flush=True)
     with embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs") as url:
         result = asyncio.run(_loop(url, settings.admin_key, cfg))
     summary = summarize(cfg, result["steps"])

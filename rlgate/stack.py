@@ -26,6 +26,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process build the same Settings."""
     env = dict(os.environ)
+    # Model loading and saving progress bars would fill the logs on every train step.
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     for name, value in settings.model_dump().items():
         key = "RLGATE_" + name.upper()
         if value is None:
