@@ -48,3 +48,22 @@ def test_curl_example(env, gateway_server) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert '"episode_status":"rewarded"' in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "episode"), [("langchain_agent.py", "lc-1"), ("agents_sdk_agent.py", "agents-1")]
+)
+def test_framework_examples(env, gateway_server, script: str, episode: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"episode {episode} is rewarded" in out.stdout
+    calls = gateway_server.query(
+        "SELECT COUNT(*) FROM completions WHERE episode_id = ?", (episode,)
+    )
+    assert calls[0][0] >= 1
