@@ -13,7 +13,15 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.errors import install_error_handlers
 from gateway.middleware import BodyLimit
-from gateway.routes import admin, export, health, openai_api, rewards
+from gateway.routes import (
+    admin,
+    completions_legacy,
+    export,
+    health,
+    openai_api,
+    responses,
+    rewards,
+)
 from gateway.services.backends import BackendPool
 from gateway.services.completions import ChatService
 from gateway.services.rewards import RewardService
@@ -73,6 +81,8 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.include_router(export.router)
     for prefix in EPISODE_PREFIXES:
         app.include_router(openai_api.router, prefix=prefix, include_in_schema=prefix == "")
+        app.include_router(completions_legacy.router, prefix=prefix, include_in_schema=prefix == "")
+        app.include_router(responses.router, prefix=prefix, include_in_schema=prefix == "")
         app.include_router(rewards.router, prefix=prefix, include_in_schema=prefix == "")
 
     @app.get("/", include_in_schema=False)

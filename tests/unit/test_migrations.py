@@ -25,6 +25,7 @@ APP_TABLES = {
     "completions",
     "rewards",
     "train_steps",
+    "responses",
 }
 
 

@@ -1,0 +1,124 @@
+"""Models for OpenAI's legacy text completions (`POST /v1/completions`).
+
+Names and field order mirror OpenAI's; rlgate's extensions sit in fenced
+blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
+(extra="allow") and logged by the router.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from gateway.protocol import OpenAIModel, StreamOptions, Usage
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+class CompletionRequest(OpenAIModel):
+    model: str
+    # A string, a list of one string, token ids, or a list of one list of token ids;
+    # checked by `prompt_input`, so that every shape error names `prompt` plainly.
+    prompt: Any = None
+    best_of: int | None = Field(None, ge=1)
+    echo: bool | None = False
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
+    n: int | None = Field(1, ge=1)
+    presence_penalty: float | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+    # --- rlgate extensions
+    # Episode and group ids (`episode_id`, `group_id`), as on chat completions; the URL
+    # path and the X-Episode-Id / X-Group-Id headers take precedence.
+    metadata: dict[str, str] | None = None
+
+    @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt of this request: its text, or its token ids.
+
+        Raises ValueError for anything else, including a batch of several prompts.
+        """
+        p = self.prompt
+        if p is None:
+            raise ValueError("prompt is required: a string or a list of token ids")
+        if isinstance(p, str):
+            return p
+        if not isinstance(p, list):
+            raise ValueError(
+                "prompt must be a string, a list of one string, or a list of integer token ids"
+            )
+        if not p:
+            raise ValueError("prompt is an empty list")
+        if all(_is_token_id(t) for t in p):
+            return list(p)
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            if len(p) > 1:
+                raise ValueError(
+                    f"a batch of {len(p)} prompts is not supported: send one prompt per request"
+                )
+            one = p[0]
+            if isinstance(one, str):
+                return one
+            if one and all(_is_token_id(t) for t in one):
+                return list(one)
+            raise ValueError("prompt[0] must be a non-empty list of integer token ids")
+        raise ValueError(
+            "prompt must be a string, a list of one string, or a list of integer token ids"
+        )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token of `text`: its string, its logprob, and where it starts in `text`.
+
+    Echoed prompt tokens have a `null` logprob (the backend does not score prompts);
+    `top_logprobs` is `null`, since backends report only the sampled token's logprob.
+    """
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    # --- rlgate extensions
+    # The episode this completion was filed under and the policy version that sampled it;
+    # `id` is the completion id to reward.
+    episode_id: str | None = None
+    policy_version: int | None = None

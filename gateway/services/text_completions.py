@@ -1,0 +1,289 @@
+"""Legacy text completions: the prompt as given (no chat template), captured like chat turns.
+
+A text completion is stored as a `Completion` row like any chat turn, so
+rewards, export and training treat it the same. Its `messages` are
+`[{"role": "prompt", "content": <prompt text>}]`: no chat role fits a raw
+prompt, and the role "prompt" can never prefix-match a chat call. A prompt
+given as token ids is sent as is; its stored text is those ids decoded with
+special tokens kept. The ids the model saw are always `prompt_token_ids`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from gateway.errors import InvalidRequest, Unavailable
+from gateway.protocol import Usage
+from gateway.protocol_legacy import (
+    DEFAULT_MAX_TOKENS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    TextCompletion,
+)
+from gateway.services.completions import ChatService, Prepared
+from gateway.services.episodes import EpisodeRef, explicit_ids, place
+from gateway.services.streaming import IncrementalDecoder
+from gateway.store.models import Completion, Run
+from inference.backend import BackendError, TokenStream
+from inference.chat_template import ChatTemplate
+from inference.types import MIN_TEMPERATURE, GenerateRequest, GenerateResult, SamplingParams
+from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+PROMPT_ROLE = "prompt"
+
+
+class TextCompletionService:
+    """Prepares, samples and stores text completions through the chat service's storage."""
+
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+
+    async def prepare(self, run: Run, req: CompletionRequest, ref: EpisodeRef) -> Prepared:
+        """The prompt ids, placement and sampling params; every client error is raised here."""
+        try:
+            prompt = req.prompt_input()
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="prompt") from exc
+        if (req.n or 1) > 1 or (req.best_of or 1) > 1:
+            raise InvalidRequest(
+                "n > 1 (and best_of > 1) is not supported on /v1/completions; "
+                "send n requests that share a group id instead",
+                param="n" if (req.n or 1) > 1 else "best_of",
+            )
+        if req.suffix:
+            raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
+        explicit_ids(ref, req.metadata)  # validate ids before any work
+        serving = await self.chat.serving(run)
+        template = serving.template
+        if isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(template.encode, prompt)
+            text = prompt
+        else:
+            vocab = len(template.tokenizer)
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="prompt"
+                )
+            prompt_ids, text = prompt, raw_decode(template, prompt)
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty: it encodes to no tokens", param="prompt")
+        max_new = req.max_tokens or DEFAULT_MAX_TOKENS
+        if len(prompt_ids) + max_new > serving.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new}) exceeds the "
+                f"model's context of {serving.max_context} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0  # greedy, as on chat completions
+        try:
+            params = SamplingParams(
+                max_tokens=max_new,
+                temperature=temperature,
+                top_p=req.top_p or 1.0,
+                seed=req.seed,
+                # No chat template, but the template's end tokens still end a ChatML turn.
+                stop_token_ids=template.stop_token_ids,
+                stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        messages = [{"role": PROMPT_ROLE, "content": text}]
+        cfg = RunConfig.model_validate(run.config)
+        async with self.chat.sessions() as s:
+            placement = await place(
+                s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
+            )
+        # `Prepared.req` is read only by chat streaming, which text completions do not use.
+        return Prepared(run, req, serving, messages, placement, prompt_ids, False, params)  # type: ignore[arg-type]
+
+    async def create(self, run: Run, req: CompletionRequest, ref: EpisodeRef) -> TextCompletion:
+        prep = await self.prepare(run, req, ref)
+        try:
+            result = await prep.serving.backend.generate(
+                GenerateRequest(prep.prompt_ids, prep.params)
+            )
+        except BackendError as exc:
+            logger.warning("backend failed for run %s: %s", run.id, exc)
+            raise Unavailable(
+                "the inference backend failed; retry the request", code="backend_unavailable"
+            ) from exc
+        row = ChatService.completion_row(prep, new_id(), None, result)
+        await self.chat.store([row], prep.placement.group_id)
+        return self._response(prep, row)
+
+    def stream(self, prep: Prepared) -> TextStream:
+        return TextStream(self.chat, prep)
+
+    @staticmethod
+    def _response(prep: Prepared, row: Completion) -> TextCompletion:
+        req: CompletionRequest = prep.req  # type: ignore[assignment]
+        echo = prep.messages[0]["content"] if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], text_offset=[])
+            if req.echo:
+                add_prompt_logprobs(logprobs, prep.serving.template, prep.prompt_ids)
+            decoder = IncrementalDecoder(prep.serving.template.decode)
+            for token, lp in zip(row.output_token_ids, row.output_logprobs, strict=True):
+                add_token(logprobs, prep.serving.template, token, lp, len(echo) + len(decoder.sent))
+                decoder.push(token)
+        n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
+        return TextCompletion(
+            id=row.id,
+            model=req.model,
+            choices=[
+                CompletionChoice(
+                    text=echo + row.content,
+                    index=0,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(row.finish_reason),
+                )
+            ],
+            usage=Usage(
+                prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
+            ),
+            system_fingerprint=f"rlgate-{row.run_id}-v{row.policy_version}",
+            episode_id=row.episode_id,
+            policy_version=row.policy_version,
+        )
+
+
+class TextStream:
+    """One streaming text completion: `chunks()` yields JSON-ready `text_completion` dicts.
+
+    Same ordering as chat streaming (`gateway.services.streaming`): the echoed
+    prompt (if asked for) goes first, then text as it is sampled; the completion
+    is STORED before the finish chunk; a disconnect cancels generation and
+    stores the partial sample with finish_reason "cancelled".
+    """
+
+    def __init__(self, chat: ChatService, prep: Prepared) -> None:
+        self.chat = chat
+        self.prep = prep
+        self.req: CompletionRequest = prep.req  # type: ignore[assignment]
+        self.id = new_id()
+        self.created = int(time.time())
+        self.stream: TokenStream = prep.serving.backend.start_stream(
+            GenerateRequest(prep.prompt_ids, prep.params)
+        )
+        opts = self.req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.stored = False
+
+    def _chunk(self, text: str, logprobs: CompletionLogprobs | None = None, finish=None) -> dict:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [
+                {
+                    "text": text,
+                    "index": 0,
+                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                    "finish_reason": finish,
+                }
+            ],
+            "system_fingerprint": f"rlgate-{self.prep.run.id}-v{self.prep.serving.backend.version}",
+            # --- rlgate extension: the episode this call is filed under
+            "episode_id": self.prep.placement.episode_id,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, pending: list[tuple[int, float, int]]) -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], text_offset=[])
+        for token, lp, offset in pending:
+            add_token(out, self.prep.serving.template, token, lp, offset)
+        return out
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        template = self.prep.serving.template
+        decoder = IncrementalDecoder(template.decode, self.prep.params.stop)
+        echo = self.prep.messages[0]["content"] if self.req.echo else ""
+        try:
+            if echo:
+                lps = None
+                if self.req.logprobs is not None:
+                    lps = CompletionLogprobs(tokens=[], token_logprobs=[], text_offset=[])
+                    add_prompt_logprobs(lps, template, self.prep.prompt_ids)
+                yield self._chunk(echo, lps)
+            pending: list[tuple[int, float, int]] = []
+            async for token, logprob in self.stream.tokens():
+                pending.append((token, logprob, len(echo) + len(decoder.sent)))
+                piece = decoder.push(token)
+                if piece:
+                    yield self._chunk(piece, self._logprobs(pending))
+                    pending = []
+            result = await self.stream.result()
+            rest = decoder.flush()
+            if rest or pending:
+                yield self._chunk(rest, self._logprobs(pending))
+            await self._store(result)
+            yield self._chunk("", finish=finish_reason(result.finish_reason))
+            if self.include_usage:
+                n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
+                usage = Usage(
+                    prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
+                )
+                yield {**self._chunk(""), "choices": [], "usage": usage.model_dump()}
+        finally:
+            if not self.stored:
+                # Disconnected (or failed) mid-stream: stop sampling, keep what was sampled.
+                with anyio.CancelScope(shield=True):
+                    self.stream.cancel()
+                    try:
+                        await self._store(await self.stream.result())
+                    except BackendError:
+                        logger.warning("stream %s failed before anything could be stored", self.id)
+
+    async def _store(self, result: GenerateResult) -> None:
+        row = ChatService.completion_row(self.prep, self.id, None, result)
+        await self.chat.store([row], self.prep.placement.group_id)
+        self.stored = True
+
+
+def new_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex
+
+
+def finish_reason(sampled: str) -> str:
+    return "length" if sampled == "length" else "stop"
+
+
+def raw_decode(template: ChatTemplate, ids: list[int]) -> str:
+    """Prompt text exactly as the ids spell it, special tokens included."""
+    return template.tokenizer.decode(
+        ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+
+
+def add_token(out: CompletionLogprobs, template: ChatTemplate, token: int, lp, offset: int) -> None:
+    out.tokens.append(template.tokenizer.decode([token]))
+    out.token_logprobs.append(lp)
+    out.text_offset.append(offset)
+
+
+def add_prompt_logprobs(out: CompletionLogprobs, template: ChatTemplate, ids: list[int]) -> None:
+    """Echoed prompt tokens: their strings and offsets, with null logprobs (never scored)."""
+    decoder = IncrementalDecoder(lambda xs: raw_decode(template, xs))
+    for token in ids:
+        add_token(out, template, token, None, len(decoder.sent))
+        decoder.push(token)
