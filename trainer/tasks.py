@@ -136,7 +136,7 @@ class Trainer:
             row.reward_std = statistics.pstdev(rewards)
             row.tokens = int(metrics["tokens"])
             row.duration_s = duration
-            row.metrics = {**metrics, "attempts": (row.metrics or {}).get("attempts", 1)}
+            row.metrics = {"attempts": 1, **(row.metrics or {}), **metrics}  # keeps "resent"
             row.finished_at = datetime.now(UTC)
         self._prune(run_id, step + 1, cfg.keep_checkpoints)
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)

@@ -75,3 +75,13 @@ def model_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("models")
     resolve_model("tiny", cache)
     return cache
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> Path:
+    """SmolLM2-135M converted once per session (about 20 s), for tests that need real steps."""
+    from inference.models import resolve_model
+
+    cache = tmp_path_factory.mktemp("smollm2")
+    resolve_model("smollm2", cache)
+    return cache
