@@ -32,6 +32,25 @@ def grpo_advantage(
     return centred
 
 
+def group_advantage(value: float, group_returns: list[float], estimator: str, eps: float) -> float:
+    """The advantage of one return within its group, by `RunConfig.advantage_estimator`.
+
+    - grpo:   (G - mean) / (std + eps)                       (Shao et al., 2024)
+    - drgrpo: G - mean, no std division                       (Liu et al., 2025, Dr.GRPO)
+    - rloo:   G - mean of the OTHER returns = n/(n-1) (G - mean)   (Ahmadian et al., 2024)
+    """
+    if estimator == "grpo":
+        return grpo_advantage(value, group_returns, eps)
+    if estimator == "drgrpo":
+        return grpo_advantage(value, group_returns, eps, normalize_std=False)
+    if estimator == "rloo":
+        n = len(group_returns)
+        if n < 2:
+            return 0.0
+        return n / (n - 1) * grpo_advantage(value, group_returns, eps, normalize_std=False)
+    raise ValueError(f"unknown advantage_estimator {estimator!r}: grpo, drgrpo or rloo")
+
+
 def grpo_advantages(
     rewards: list[float], group_ids: list[str], eps: float = 1e-6, normalize_std: bool = True
 ) -> list[float]:

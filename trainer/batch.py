@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gateway.store.models import Completion, Episode, Reward
+from trainer.advantages import group_advantage
 from trainer.config import RunConfig
 
 
@@ -56,7 +57,6 @@ def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
     Returns (samples, episode returns, group ids, assembly stats). Imports of
     the assembly helpers are local: `trainer.sequences` builds on `Sample`.
     """
-    from trainer.advantages import grpo_advantage
     from trainer.returns import Node, completion_returns, episode_return
     from trainer.sequences import AssemblyStats, Turn, assemble
 
@@ -92,8 +92,13 @@ def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
     for ep in episodes:
         g = completion_returns(nodes[ep.id], explicit[ep.id], cfg.reward_policy, cfg.gamma)
         group = by_group[ep.group_id]
+        # a cancelled (client hung up) completion is context, never trained
+        cancelled = {c.id for c in trees[ep.id] if c.finish_reason == "cancelled"}
         adv = {
-            k: None if v is None else grpo_advantage(v, group, cfg.adv_eps) for k, v in g.items()
+            k: None
+            if v is None or k in cancelled
+            else group_advantage(v, group, cfg.advantage_estimator, cfg.adv_eps)
+            for k, v in g.items()
         }
         turns = [
             Turn(

@@ -42,13 +42,24 @@ class RunConfig(BaseModel):
         1, ge=0, description="drop samples more than this many versions older than current"
     )
     learning_rate: float = Field(1e-5, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1")
     clip_eps_high: float = Field(0.2, gt=0, description="PPO clip above 1 (DAPO raises it)")
     adv_eps: float = Field(1e-6, gt=0, description="added to the group std")
     micro_batch_size: int = Field(8, ge=1)
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
+    constant_normaliser: int | None = Field(
+        None, ge=1, description="tokens per sequence for loss_agg='constant' (Dr.GRPO)"
+    )
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    behaviour_weight_cap: float | None = Field(
+        None, gt=1, description="decoupled PPO: cap on pi_prox / pi_behaviour; None: plain PPO"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen base model")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus")
     keep_checkpoints: int = Field(2, ge=1, description="newest versions kept on disk (v0 kept)")
     # --- how rewards reach tokens (see trainer.returns)
     reward_policy: Literal["broadcast", "terminal", "discounted"] = "broadcast"
@@ -97,6 +108,15 @@ class RunConfig(BaseModel):
 
         if self.tool_parser not in parser_names():
             raise ValueError(f"tool_parser must be one of {parser_names()}")
+        if self.loss_agg == "constant" and self.constant_normaliser is None:
+            raise ValueError("loss_agg='constant' needs constant_normaliser (a token budget)")
+        if self.advantage_estimator == "drgrpo" and self.loss_agg != "constant":
+            raise ValueError(
+                "Dr.GRPO removes length normalisation: set loss_agg='constant' "
+                "and constant_normaliser"
+            )
+        if self.engine == "fsdp" and (self.kl_coef > 0 or self.entropy_coef > 0):
+            raise ValueError("kl_coef and entropy_coef need engine='local' for now")
         if self.world_size > 1 and self.engine != "fsdp":
             raise ValueError("world_size > 1 needs engine='fsdp'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":

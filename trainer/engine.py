@@ -16,7 +16,7 @@ import torch
 
 from trainer.batch import Sample, collate
 from trainer.config import RunConfig
-from trainer.losses.ppo import ppo_clip_loss
+from trainer.losses.policy import policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,37 @@ TOKENIZER_FILES = (
 )
 
 
+def learning_rate(cfg: RunConfig, version: int) -> float:
+    """Linear warm-up over the first `lr_warmup_steps` steps, then constant.
+
+    A function of the version (= the step), so a restarted worker resumes the schedule.
+    """
+    if cfg.lr_warmup_steps <= 0:
+        return cfg.learning_rate
+    return cfg.learning_rate * min(1.0, (version + 1) / cfg.lr_warmup_steps)
+
+
+def advantage_stats(samples: list[Sample]) -> dict[str, float]:
+    values = [a for s in samples for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
+    if not values:
+        return {}
+    t = torch.tensor(values)
+    return {
+        "adv_mean": float(t.mean()),
+        "adv_std": float(t.std(unbiased=False)),
+        "adv_min": float(t.min()),
+        "adv_max": float(t.max()),
+    }
+
+
 class LocalEngine:
-    def __init__(self, checkpoint_dir: Path, version: int, cfg: RunConfig) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        version: int,
+        cfg: RunConfig,
+        reference_dir: Path | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(cfg.seed + version)
@@ -42,21 +71,35 @@ class LocalEngine:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
+        self.reference = None
+        if cfg.kl_coef > 0:  # the frozen base model, for the KL penalty
+            if reference_dir is None:
+                raise ValueError("kl_coef > 0 needs the reference model's directory")
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                reference_dir, dtype=torch.float32
+            ).eval()
+            self.reference.requires_grad_(False)
 
-    def token_logprobs(self, batch) -> torch.Tensor:
+    def token_logprobs(self, batch, model=None) -> torch.Tensor:
         """[B, T] logprobs of input_ids[:, t] under the model at temperature; 0 off the mask."""
-        hidden = self.model.base_model(
+        return self._logprobs_and_entropy(batch, model or self.model)[0]
+
+    def _logprobs_and_entropy(self, batch, model) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs of the targets and entropy of the distribution, at trained positions."""
+        hidden = model.base_model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask
         ).last_hidden_state
         targets = batch.input_ids[:, 1:]
         where = batch.loss_mask[:, 1:] > 0
         temps = batch.temperatures[:, 1:][where]
-        logits = self.model.get_output_embeddings()(hidden[:, :-1][where]).float()
+        logits = model.get_output_embeddings()(hidden[:, :-1][where]).float()
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         picked = logp.gather(-1, targets[where][:, None]).squeeze(-1)
-        out = torch.zeros(targets.shape, dtype=picked.dtype)
-        out[where] = picked
-        return torch.cat([torch.zeros_like(out[:, :1]), out], dim=1)
+        ent = -(logp.exp() * logp).sum(-1)
+        out, ent_out = torch.zeros(targets.shape), torch.zeros(targets.shape)
+        out[where], ent_out[where] = picked.to(out.dtype), ent.to(out.dtype)
+        pad = torch.zeros_like(out[:, :1])
+        return torch.cat([pad, out], dim=1), torch.cat([pad, ent_out], dim=1)
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step over all samples, in micro-batches sharing one denominator."""
@@ -64,22 +107,28 @@ class LocalEngine:
         cfg = self.cfg
         n_tokens = sum(sum(s.loss_mask) for s in samples)
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, sums = 0.0, {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
-        ratio_max = 0.0
+        total_loss, ratio_max = 0.0, 0.0
+        sums = dict.fromkeys(("clip_frac", "approx_kl", "ratio_mean", "iw_mean", "entropy"), 0.0)
+        if cfg.kl_coef > 0:
+            sums["kl_ref"] = 0.0
         for start in range(0, len(samples), cfg.micro_batch_size):
             chunk = samples[start : start + cfg.micro_batch_size]
             batch = collate(chunk, self.pad_id)
-            logp = self.token_logprobs(batch)
-            loss, m = ppo_clip_loss(
+            logp, entropy = self._logprobs_and_entropy(batch, self.model)
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = self.token_logprobs(batch, self.reference)
+            loss, m = policy_loss(
                 logp,
                 batch.old_logprobs,
                 batch.advantages,
                 batch.loss_mask,
-                clip_eps_low=cfg.clip_eps_low,
-                clip_eps_high=cfg.clip_eps_high,
-                normaliser=float(max(n_tokens, 1)),
-                agg=cfg.loss_agg,
-                seq_weight=float(len(samples)),
+                cfg,
+                n_tokens=n_tokens,
+                n_sequences=len(samples),
+                ref_logp=ref_logp,
+                entropy=entropy,
             )
             loss.backward()
             total_loss += float(loss.detach())
@@ -88,6 +137,9 @@ class LocalEngine:
                 sums[k] += m[k] * weight
             ratio_max = max(ratio_max, m["ratio_max"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        lr = learning_rate(cfg, self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         seconds = time.perf_counter() - t0
@@ -100,6 +152,8 @@ class LocalEngine:
             # every position is forwarded and back-propagated, prompt included
             "tokens_per_s": sum(len(s.input_ids) for s in samples) / seconds if seconds else 0.0,
             "ratio_max": ratio_max,
+            "lr": lr,
+            **advantage_stats(samples),
             **sums,
         }
 

@@ -198,9 +198,15 @@ class FsdpEngine:
                 batch.loss_mask,
                 clip_eps_low=cfg.clip_eps_low,
                 clip_eps_high=cfg.clip_eps_high,
-                normaliser=denom,
+                # Dr.GRPO's constant normaliser: sequences x token budget, like policy_loss
+                normaliser=(
+                    max(n_seqs, 1.0) * (cfg.constant_normaliser or 1)
+                    if cfg.loss_agg == "constant"
+                    else denom
+                ),
                 agg=cfg.loss_agg,
                 seq_weight=max(n_seqs, 1.0),
+                behaviour_weight_cap=cfg.behaviour_weight_cap,
             )
             loss.backward()
             here = float(batch.loss_mask.sum())

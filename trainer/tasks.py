@@ -52,7 +52,9 @@ class Trainer:
         pv = session.get(PolicyVersion, (run.id, run.current_version))
         if pv is None:
             raise RuntimeError(f"run {run.id} has no checkpoint for version {run.current_version}")
-        engine = LocalEngine(Path(pv.checkpoint_path), run.current_version, cfg)
+        engine = LocalEngine(
+            Path(pv.checkpoint_path), run.current_version, cfg, reference_dir=Path(run.model_path)
+        )
         self.engines[run.id] = engine
         return engine
 
