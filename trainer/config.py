@@ -61,6 +61,12 @@ class RunConfig(BaseModel):
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus")
     keep_checkpoints: int = Field(2, ge=1, description="newest versions kept on disk (v0 kept)")
+    save_optimizer_state: bool = Field(
+        False, description="keep AdamW's moments on disk so a restarted worker resumes them"
+    )
+    max_pending_episodes: int | None = Field(
+        None, ge=1, description="429 new calls while this many episodes wait to train"
+    )
     # --- how rewards reach tokens (see trainer.returns)
     reward_policy: Literal["broadcast", "terminal", "discounted"] = "broadcast"
     gamma: float = Field(1.0, gt=0, le=1, description="discount per turn (discounted policy)")

@@ -157,6 +157,27 @@ class LocalEngine:
             **sums,
         }
 
+    def save_optimizer(self, path: Path) -> None:
+        """AdamW state for the version just trained (overwritten each step, atomically)."""
+        tmp = path.with_suffix(".tmp")
+        torch.save({"version": self.version, "state": self.optimizer.state_dict()}, tmp)
+        tmp.replace(path)
+
+    def load_optimizer(self, path: Path) -> bool:
+        """Resume AdamW's moments if `path` holds them for this engine's version."""
+        if not path.is_file():
+            return False
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("version") != self.version:
+            logger.info(
+                "optimizer state is for v%s, not v%d: fresh AdamW",
+                saved.get("version"),
+                self.version,
+            )
+            return False
+        self.optimizer.load_state_dict(saved["state"])
+        return True
+
     def save(self, out_dir: Path, tokenizer_dir: Path) -> None:
         """Write an untied HF directory to `out_dir` atomically (temp dir, then rename)."""
         tmp = out_dir.with_name(out_dir.name + ".tmp")

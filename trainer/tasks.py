@@ -18,6 +18,7 @@ from typing import Any
 
 from celery import Celery
 from sqlalchemy import update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.store.db import make_sync_engine
@@ -43,8 +44,9 @@ class Trainer:
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> LocalEngine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
 
-        A fresh engine starts with a new AdamW state (the optimizer state is
-        not checkpointed yet); the weights are exactly version N's.
+        A fresh engine takes the weights of version N and, when the run saves
+        optimizer state (`save_optimizer_state`) and the saved state is for
+        version N, the AdamW moments too; otherwise AdamW starts fresh.
         """
         engine = self.engines.get(run.id)
         if engine is not None and engine.version == run.current_version:
@@ -55,6 +57,7 @@ class Trainer:
         engine = LocalEngine(
             Path(pv.checkpoint_path), run.current_version, cfg, reference_dir=Path(run.model_path)
         )
+        engine.load_optimizer(self._optimizer_path(run.id))
         self.engines[run.id] = engine
         return engine
 
@@ -69,6 +72,11 @@ class Trainer:
             row.status = "running"
         try:
             return self._train(run_id, step)
+        except OperationalError:
+            # The store itself is unreachable: nothing to mark. Celery retries the task with
+            # backoff (see register_tasks); the step stays "running" until then.
+            self.engines.pop(run_id, None)
+            raise
         except Exception as exc:
             logger.exception("step %d of run %s failed", step, run_id)
             self.engines.pop(run_id, None)
@@ -108,6 +116,8 @@ class Trainer:
         else:
             metrics = engine.step(samples)
             engine.save(out, model_path)
+            if cfg.save_optimizer_state:
+                engine.save_optimizer(self._optimizer_path(run_id))
         versions = [s.min_version for s in samples]
         metrics |= {
             "sequences": float(assembly.sequences),
@@ -144,6 +154,9 @@ class Trainer:
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
 
+    def _optimizer_path(self, run_id: str) -> Path:
+        return self.settings.checkpoints_dir / run_id / "optimizer.pt"
+
     def _fail(self, run_id: str, step: int, exc: Exception) -> None:
         """Mark the step failed and hand its episodes back, so the scheduler can retry it."""
         with self.sessions.begin() as s:
@@ -168,7 +181,15 @@ class Trainer:
 def register_tasks(app: Celery, settings: Settings) -> Trainer:
     trainer = Trainer(settings)
 
-    @app.task(name=TRAIN_STEP_TASK, bind=True, acks_late=True)
+    @app.task(
+        name=TRAIN_STEP_TASK,
+        bind=True,
+        acks_late=True,
+        autoretry_for=(OperationalError,),  # database briefly away: retry, with backoff
+        retry_backoff=2,
+        retry_backoff_max=60,
+        max_retries=8,
+    )
     def train_step(self, run_id: str, step: int) -> dict[str, Any]:
         return trainer.train_step(run_id, step)
 

@@ -124,6 +124,16 @@ class ChatService:
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
             chain = await ancestry(s, placement.parent)
+            if cfg.max_pending_episodes is not None and placement.parent is None:
+                waiting = await repo.pending_episodes(s, run.id)
+                if waiting >= cfg.max_pending_episodes:
+                    # Online traffic must not outrun training: past this many waiting
+                    # episodes, new conversations wait (later turns of open ones go on).
+                    raise RateLimited(
+                        f"{waiting} episodes are waiting to train (max_pending_episodes); "
+                        "retry after the next step",
+                        retry_after_s=2,
+                    )
         parent = placement.parent
         template = serving.template
         # Our own earlier answers are rendered as the text that was sampled (tool calls

@@ -80,6 +80,14 @@ async def call_stats(session: AsyncSession, run_id: str) -> tuple[dict[str, int]
     return {str(k): int(v) for k, v in links.items() if k is not None}, int(drift)
 
 
+async def pending_episodes(session: AsyncSession, run_id: str) -> int:
+    """Episodes sampled but not yet queued for training (open or rewarded)."""
+    stmt = select(func.count()).where(
+        Episode.run_id == run_id, Episode.status.in_(("open", "rewarded"))
+    )
+    return int((await session.execute(stmt)).scalar_one())
+
+
 async def has_episode_reward(session: AsyncSession, ep: Episode) -> bool:
     """Whether an episode-level reward (not a per-turn one) was posted for `ep`."""
     stmt = select(func.count()).where(

@@ -113,3 +113,34 @@ def test_paused_run_answers_429_with_retry_after(gateway_server) -> None:
 def test_reasoning_split() -> None:
     assert split_reasoning("<think>add them</think> 3") == ("add them", "3")
     assert split_reasoning("3 <think>late</think>") == (None, "3 <think>late</think>")
+
+
+def test_pending_capacity_turns_new_conversations_away(gateway_server) -> None:
+    import httpx
+
+    run = gateway_server.create_run(name="capacity", config={"max_pending_episodes": 2})
+    http = httpx.Client(
+        base_url=gateway_server.url, headers={"Authorization": f"Bearer {run['api_key']}"}
+    )
+    body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
+    first = [http.post("/v1/chat/completions", json=body) for _ in range(2)]
+    assert [r.status_code for r in first] == [200, 200]
+    third = http.post("/v1/chat/completions", json=body)
+    assert third.status_code == 429 and third.headers["Retry-After"] == "2"
+    # a later turn of a waiting episode is not new traffic: it goes on
+    follow = http.post(
+        "/v1/chat/completions",
+        json={
+            **body,
+            "messages": [
+                *MSGS,
+                {
+                    "role": "assistant",
+                    "content": first[0].json()["choices"][0]["message"]["content"],
+                },
+                {"role": "user", "content": "more"},
+            ],
+        },
+    )
+    assert follow.status_code == 200
+    assert follow.json()["episode_id"] == first[0].json()["episode_id"]

@@ -127,3 +127,24 @@ def test_local_engine_with_kl_and_entropy_on_the_tiny_model(tiny_model_dir) -> N
     assert m1["entropy"] > 0
     m2 = engine.step(samples)
     assert m2["kl_ref"] > 0  # after one update the policy has moved away from it
+
+
+def test_optimizer_state_resumes_for_the_right_version(tiny_model_dir, tmp_path) -> None:
+    from trainer.batch import Sample
+    from trainer.engine import LocalEngine
+
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, learning_rate=1e-3)
+    engine = LocalEngine(tiny_model_dir, 0, cfg)
+    samples = [Sample([5, 6, 7], [0, 1, 1], [0, -4.0, -4.0], [0, 1.0, 1.0], [1.0] * 3, 0)] * 2
+    engine.step(samples)
+    engine.save(tmp_path / "v1", tiny_model_dir)
+    engine.save_optimizer(tmp_path / "optimizer.pt")
+    resumed = LocalEngine(tmp_path / "v1", 1, cfg)
+    assert resumed.load_optimizer(tmp_path / "optimizer.pt")
+    a = engine.optimizer.state_dict()["state"]
+    b = resumed.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k]["exp_avg"], b[k]["exp_avg"])
+    stale = LocalEngine(tmp_path / "v1", 2, cfg)  # a different version: start fresh
+    assert not stale.load_optimizer(tmp_path / "optimizer.pt")
