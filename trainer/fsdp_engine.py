@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.batch import Batch, Sample, collate
 from trainer.config import ParallelConfig, RunConfig
-from trainer.engine import TOKENIZER_FILES
+from trainer.engine import TOKENIZER_FILES, learning_rate
 from trainer.losses.ppo import ppo_clip_loss
 from trainer.packing import greedy_pack_groups, pack, padded_groups, trainable_batch
 from trainer.parallel import (
@@ -142,8 +142,8 @@ class FsdpEngine:
             reshard_after_forward=self.parallel.reshard_after_forward,
             gradient_divide_factor=1.0,  # the loss already divides by the global token count
         )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        self.optimizer = torch.optim.AdamW(  # the schedule is a function of the version
+            self.policy.parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
         )
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:

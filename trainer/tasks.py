@@ -12,6 +12,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,7 @@ class Trainer:
             "drift_segments": float(assembly.drift_segments),
             "orphans_excluded": float(assembly.orphans_excluded),
             "staleness_max": float(step - min(versions)),
+            "staleness_histogram": dict(sorted(Counter(step - v for v in versions).items())),
             "staleness_mean": float(step - statistics.fmean(versions)),
         }
         duration = time.perf_counter() - t0
