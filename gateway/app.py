@@ -24,6 +24,7 @@ from gateway.routes import (
 )
 from gateway.services.backends import BackendPool
 from gateway.services.completions import ChatService
+from gateway.services.keys import KeyService
 from gateway.services.rewards import RewardService
 from gateway.services.runs import RunService
 from gateway.services.training import TrainingScheduler, WeightSync
@@ -59,6 +60,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.chat = ChatService(sessions, pool)
         app.state.rewards = RewardService(sessions)
         app.state.runs = RunService(sessions, pool, settings.models_dir)
+        app.state.keys = KeyService(sessions)
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")

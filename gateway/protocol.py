@@ -298,3 +298,20 @@ class TrainStepPublic(BaseModel):
     duration_s: float | None
     metrics: dict[str, Any]
     error: str | None
+
+
+class ApiKeyPublic(BaseModel):
+    id: int
+    run_id: str
+    prefix: str  # the first characters, to tell keys apart; the key itself is never stored
+    created_at: str
+    revoked_at: str | None
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    api_key: str  # shown once
+
+
+class RunStatusChange(BaseModel):
+    run_id: str
+    status: str

@@ -1,11 +1,24 @@
-"""Admin API (admin credential): create and inspect runs and their training steps."""
+"""Admin API (admin credential): runs, their lifecycle, their agent keys and steps.
+
+Pause, resume and stop: a paused or stopped run answers new agent calls with 429
+(`Retry-After`); requests already generating finish and are stored; no new
+train step is scheduled for it (a step already queued or running completes).
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from gateway.deps import AdminDep
-from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
+from gateway.protocol import (
+    ApiKeyCreated,
+    ApiKeyPublic,
+    RunCreate,
+    RunCreated,
+    RunPublic,
+    RunStatusChange,
+    TrainStepPublic,
+)
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 
@@ -36,3 +49,31 @@ async def get_run(run_id: str, request: Request) -> RunPublic:
 @router.get("/runs/{run_id}/steps", response_model=list[TrainStepPublic])
 async def list_steps(run_id: str, request: Request) -> list[TrainStepPublic]:
     return await request.app.state.runs.steps(run_id)
+
+
+@router.get("/runs/{run_id}/keys", response_model=list[ApiKeyPublic])
+async def list_keys(run_id: str, request: Request) -> list[ApiKeyPublic]:
+    return await request.app.state.keys.list(run_id)
+
+
+@router.post("/runs/{run_id}/keys", response_model=ApiKeyCreated, status_code=201)
+async def create_key(run_id: str, request: Request) -> ApiKeyCreated:
+    return await request.app.state.keys.create(run_id)
+
+
+@router.post("/runs/{run_id}/keys/{key_id}/revoke", response_model=ApiKeyPublic)
+async def revoke_key(run_id: str, key_id: int, request: Request) -> ApiKeyPublic:
+    return await request.app.state.keys.revoke(run_id, key_id)
+
+
+@router.post("/runs/{run_id}/keys/{key_id}/rotate", response_model=ApiKeyCreated, status_code=201)
+async def rotate_key(run_id: str, key_id: int, request: Request) -> ApiKeyCreated:
+    return await request.app.state.keys.rotate(run_id, key_id)
+
+
+# Last: `{action}` would otherwise capture /runs/{id}/keys.
+@router.post("/runs/{run_id}/{action}", response_model=RunStatusChange)
+async def change_status(run_id: str, action: str, request: Request) -> RunStatusChange:
+    """pause, resume or stop."""
+    status = await request.app.state.runs.set_status(run_id, action)
+    return RunStatusChange(run_id=run_id, status=status)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
 from gateway.services.backends import BackendPool
@@ -79,6 +79,27 @@ class RunService:
             counters=run.counters or {},
             created_at=run.created_at.isoformat(),
         )
+
+    TRANSITIONS = {"pause": ("active", "paused"), "resume": ("paused", "active")}
+
+    async def set_status(self, run_id: str, action: str) -> str:
+        """pause (active -> paused), resume (paused -> active), stop (any -> stopped, final)."""
+        async with self.sessions.begin() as s:
+            run = await s.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"no run {run_id!r}", param="run_id")
+            if action == "stop":
+                run.status = "stopped"
+            elif action in self.TRANSITIONS:
+                before, after = self.TRANSITIONS[action]
+                if run.status != before:
+                    raise Conflict(
+                        f"cannot {action} a run that is {run.status}", code="invalid_transition"
+                    )
+                run.status = after
+            else:
+                raise NotFound(f"no action {action!r}: pause, resume or stop", param="action")
+            return run.status
 
     async def get(self, run_id: str) -> Run:
         async with self.sessions() as s:
