@@ -25,6 +25,19 @@ from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 logger = logging.getLogger(__name__)
 
 
+async def keep_partial(stream: TokenStream, store, label: str) -> None:
+    """After a disconnect (or failure) mid-stream: stop sampling, store what was sampled.
+
+    Shielded: the request's task is being cancelled, and the store must still happen.
+    """
+    with anyio.CancelScope(shield=True):
+        stream.cancel()
+        try:
+            await store(await stream.result())
+        except BackendError:
+            logger.warning("stream %s failed before anything could be stored", label)
+
+
 class IncrementalDecoder:
     """Text deltas of a growing id list.
 
@@ -140,13 +153,7 @@ class ChatStream:
             logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
         finally:
             if not self.stored:
-                # Disconnected (or failed) mid-stream: stop sampling, keep what was sampled.
-                with anyio.CancelScope(shield=True):
-                    self.stream.cancel()
-                    try:
-                        await self._store(await self.stream.result())
-                    except BackendError:
-                        logger.warning("stream %s failed before anything could be stored", self.id)
+                await keep_partial(self.stream, self._store, self.id)
 
     async def _store(self, result: GenerateResult):
         row = self.chat.completion_row(self.prep, self.id, None, result)

@@ -17,8 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-
 from gateway.errors import InvalidRequest, Unavailable
 from gateway.protocol import Usage
 from gateway.protocol_legacy import (
@@ -30,7 +28,7 @@ from gateway.protocol_legacy import (
 )
 from gateway.services.completions import ChatService, Prepared
 from gateway.services.episodes import EpisodeRef, explicit_ids, place
-from gateway.services.streaming import IncrementalDecoder
+from gateway.services.streaming import IncrementalDecoder, keep_partial
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError, TokenStream
 from inference.chat_template import ChatTemplate
@@ -246,13 +244,7 @@ class TextStream:
                 yield {**self._chunk(""), "choices": [], "usage": usage.model_dump()}
         finally:
             if not self.stored:
-                # Disconnected (or failed) mid-stream: stop sampling, keep what was sampled.
-                with anyio.CancelScope(shield=True):
-                    self.stream.cancel()
-                    try:
-                        await self._store(await self.stream.result())
-                    except BackendError:
-                        logger.warning("stream %s failed before anything could be stored", self.id)
+                await keep_partial(self.stream, self._store, self.id)
 
     async def _store(self, result: GenerateResult) -> None:
         row = ChatService.completion_row(self.prep, self.id, None, result)
