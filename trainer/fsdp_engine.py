@@ -280,6 +280,11 @@ class FsdpEngine:
         return shell
 
     def close(self) -> None:
-        """Leave the process group (the engine is unusable afterwards)."""
+        """Leave the process group together (the engine is unusable afterwards).
+
+        The barrier first: gloo can abort a rank whose peers have already torn
+        their connections down.
+        """
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()

@@ -45,13 +45,24 @@ def _fuzz(op, http: httpx.Client, key: str, failures: list[str], sent: list[int]
         short = isinstance(body, dict) and op.path.endswith("/completions")
         if short and (not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 16):
             body["max_tokens"] = 4  # keep generation short; long outputs are other tests' business
-        resp = http.request(
+        request = http.build_request(
             case.method,
             case.formatted_path,
             params=case.query or None,
             json=body,
             headers={**(case.headers or {}), "Authorization": f"Bearer {key}"},
         )
+        try:
+            resp = http.send(request)
+        except httpx.TransportError:
+            # A dropped keep-alive connection is the network's, not an answer: one retry on a
+            # fresh connection, and a second failure is recorded as a failure.
+            try:
+                with httpx.Client(base_url=http.base_url, timeout=60) as fresh:
+                    resp = fresh.send(request)
+            except httpx.TransportError as exc:
+                failures.append(f"{case.method} {case.formatted_path} {body!r} -> {exc!r}")
+                return
         sent.append(resp.status_code)
         if resp.status_code >= 500:
             failures.append(f"{case.method} {case.formatted_path} {body!r} -> {resp.text}")
