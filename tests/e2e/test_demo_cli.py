@@ -40,10 +40,14 @@ def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
     # exit code and verdict agree: 0 only if the run learned
     assert proc.returncode == (0 if summary["learned"] else 1), proc.stdout + proc.stderr
     assert {"reward_first", "reward_last", "steps"} <= summary.keys()
-    # one entry per version that sampled: two trained steps, then the final version measured
-    assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
-    assert [s["version"] for s in summary["steps"]] == [0, 1, 2]
-    assert [s["trained"] for s in summary["steps"]] == [True, True, False]
+    # one entry per version that sampled: the trained steps, then the final version measured.
+    # The random tiny model may run out of reward variance early ("converged"); then fewer.
+    steps = summary["steps"]
+    n = len(steps)
+    assert n == 3 or (summary["converged_early"] and n >= 2), steps
+    assert [s["step"] for s in steps] == list(range(n))
+    assert [s["version"] for s in steps] == list(range(n))
+    assert [s["trained"] for s in steps] == [True] * (n - 1) + [False]
     assert all(0.0 <= s["reward_mean"] <= 1.0 for s in summary["steps"])
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "step   1 | sampled by v1" in proc.stdout
+    assert "step   0 | sampled by v0" in proc.stdout
