@@ -157,28 +157,17 @@ class ChatService:
             raise InvalidRequest(
                 f"messages could not be rendered: {exc}", param="messages"
             ) from exc
-        max_new = req.max_new_tokens(DEFAULT_MAX_TOKENS)
-        if len(prompt_ids) + max_new > serving.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new}) exceeds the "
-                f"model's context of {serving.max_context} tokens",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if temperature < MIN_TEMPERATURE:
-            temperature = 0.0  # greedy: a vanishing temperature is argmax anyway
-        try:
-            params = SamplingParams(
-                max_tokens=max_new,
-                temperature=temperature,
-                top_p=req.top_p or 1.0,
-                seed=req.seed,
-                stop_token_ids=serving.template.stop_token_ids,
-                stop=req.stop_strings(),
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        params = sampling_params(
+            n_prompt=len(prompt_ids),
+            max_new=req.max_new_tokens(DEFAULT_MAX_TOKENS),
+            max_context=serving.max_context,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_token_ids=template.stop_token_ids,
+            stop=req.stop_strings(),
+            param="messages",
+        )
         parser = get_parser(cfg.tool_parser) if req.tools_active() else None
         return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params, parser)
 
@@ -326,6 +315,42 @@ class ChatService:
             group_id=group_id,
             policy_version=rows[0].policy_version,
         )
+
+
+def sampling_params(
+    *,
+    n_prompt: int,
+    max_new: int,
+    max_context: int,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop_token_ids: tuple[int, ...],
+    stop: tuple[str, ...],
+    param: str,
+) -> SamplingParams:
+    """Validated sampling parameters; a client error is an InvalidRequest naming `param`."""
+    if n_prompt + max_new > max_context:
+        raise InvalidRequest(
+            f"prompt ({n_prompt} tokens) plus max_tokens ({max_new}) exceeds the "
+            f"model's context of {max_context} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    temp = 1.0 if temperature is None else temperature
+    if temp < MIN_TEMPERATURE:
+        temp = 0.0  # greedy: a vanishing temperature is argmax anyway
+    try:
+        return SamplingParams(
+            max_tokens=max_new,
+            temperature=temp,
+            top_p=top_p or 1.0,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 def finish_reason(row: Completion) -> str:

@@ -26,13 +26,13 @@ from gateway.protocol_legacy import (
     CompletionRequest,
     TextCompletion,
 )
-from gateway.services.completions import ChatService, Prepared
+from gateway.services.completions import ChatService, Prepared, sampling_params
 from gateway.services.episodes import EpisodeRef, explicit_ids, place
 from gateway.services.streaming import IncrementalDecoder, keep_partial
 from gateway.store.models import Completion, Run
 from inference.backend import BackendError, TokenStream
 from inference.chat_template import ChatTemplate
-from inference.types import MIN_TEMPERATURE, GenerateRequest, GenerateResult, SamplingParams
+from inference.types import GenerateRequest, GenerateResult
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -76,29 +76,18 @@ class TextCompletionService:
             prompt_ids, text = prompt, raw_decode(template, prompt)
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: it encodes to no tokens", param="prompt")
-        max_new = req.max_tokens or DEFAULT_MAX_TOKENS
-        if len(prompt_ids) + max_new > serving.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new}) exceeds the "
-                f"model's context of {serving.max_context} tokens",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if temperature < MIN_TEMPERATURE:
-            temperature = 0.0  # greedy, as on chat completions
-        try:
-            params = SamplingParams(
-                max_tokens=max_new,
-                temperature=temperature,
-                top_p=req.top_p or 1.0,
-                seed=req.seed,
-                # No chat template, but the template's end tokens still end a ChatML turn.
-                stop_token_ids=template.stop_token_ids,
-                stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        # No chat template, but the template's end tokens still end a ChatML turn.
+        params = sampling_params(
+            n_prompt=len(prompt_ids),
+            max_new=req.max_tokens or DEFAULT_MAX_TOKENS,
+            max_context=serving.max_context,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_token_ids=template.stop_token_ids,
+            stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            param="prompt",
+        )
         messages = [{"role": PROMPT_ROLE, "content": text}]
         cfg = RunConfig.model_validate(run.config)
         async with self.chat.sessions() as s:
