@@ -49,6 +49,9 @@ class SamplingParams:
 class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # Routing hint for several replicas (the episode id): calls that share it go to the same
+    # replica while that stays healthy and not much busier, so its prefix cache is reused.
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)

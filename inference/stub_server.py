@@ -1,0 +1,389 @@
+"""A fixed-latency STAND-IN for a vLLM or SGLang server, for tests and benchmarks.
+
+This is not vLLM or SGLang. It was written from their documented HTTP APIs
+and implements only the subset rlgate uses, with no model behind it:
+
+* ``--flavor vllm``: ``POST /v1/completions`` (token-id ``prompt``,
+  ``return_token_ids``, ``logprobs``, ``stream``), ``GET /v1/models``,
+  ``GET /health``, ``POST /pause``, ``POST /resume``,
+  ``POST /collective_rpc`` with method ``reload_weights``,
+  ``POST /update_weight_version``.
+* ``--flavor sglang``: ``POST /generate`` (``input_ids``, ``sampling_params``,
+  ``return_logprob``, ``stream``), ``GET /health``, ``GET /get_model_info``,
+  ``POST /pause_generation``, ``POST /continue_generation``,
+  ``POST /update_weights_from_disk``.
+
+Output is deterministic: token i of a request is a function of the prompt,
+i and the weights version; its logprob likewise. Each request waits
+``--latency-ms`` before its first token and ``--token-latency-ms`` between
+tokens. A weight reload bumps the served version (``GET /stub/state`` shows
+it, with counters), and the tokens change with it, so swap tests can see
+which weights answered. While paused, new requests wait for resume.
+
+Run: ``python -m inference.stub_server --flavor vllm --port 8001 --latency-ms 50``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StubConfig:
+    """What the stand-in serves and how slowly."""
+
+    flavor: str = "vllm"  # "vllm" or "sglang": which API to expose
+    model: str = "stub-model"  # served model name (vLLM's /v1/models)
+    latency_ms: float = 0.0  # wait before the first token of every request
+    token_latency_ms: float = 0.0  # wait between two tokens
+    output_tokens: int = 16  # tokens per answer unless max_tokens is lower
+    vocab_size: int = 256  # token ids are drawn from [token_base, vocab_size)
+    token_base: int = 100
+    max_model_len: int = 2048
+    version: int = 0  # weights version served at start
+    incremental_streaming_output: bool = False  # sglang: stream only new tokens per event
+
+    def __post_init__(self) -> None:
+        if self.flavor not in ("vllm", "sglang"):
+            raise ValueError("flavor must be 'vllm' or 'sglang'")
+        if not 0 <= self.token_base < self.vocab_size:
+            raise ValueError("token_base must be in [0, vocab_size)")
+
+
+class StubState:
+    """The served weights version, the pause switch and counters."""
+
+    def __init__(self, cfg: StubConfig) -> None:
+        self.cfg = cfg
+        self.version = cfg.version
+        self.weights_path: str | None = None
+        self.weight_version_label: str | None = None
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.requests = 0
+        self.in_flight = 0
+        self.reloads = 0
+
+    def token(self, prompt: list[int], i: int) -> tuple[int, float]:
+        span = self.cfg.vocab_size - self.cfg.token_base
+        seed = (sum(prompt) * 31 + len(prompt) * 17 + i * 7 + self.version * 13) % span
+        return self.cfg.token_base + seed, -0.05 * (1 + (seed % 9))
+
+    async def sample(
+        self, prompt: list[int], max_tokens: int, stop_ids: set[int]
+    ) -> AsyncIterator[tuple[int, float, str | None]]:
+        """(token, logprob, finish reason on the last token) with the configured latencies."""
+        await self.resumed.wait()
+        self.requests += 1
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(self.cfg.latency_ms / 1000)
+            n = max(1, min(max_tokens, self.cfg.output_tokens))
+            for i in range(n):
+                if i and self.cfg.token_latency_ms:
+                    await asyncio.sleep(self.cfg.token_latency_ms / 1000)
+                tok, lp = self.token(prompt, i)
+                finish = "stop" if tok in stop_ids else ("length" if i == n - 1 else None)
+                yield tok, lp, finish
+                if finish:
+                    return
+        finally:
+            self.in_flight -= 1
+
+    def reload(self, path: str | None) -> None:
+        self.version += 1
+        self.reloads += 1
+        self.weights_path = path
+        logger.info("stub reloaded weights from %s: version %d", path, self.version)
+
+
+def text_of(tok: int) -> str:
+    return f" t{tok}"
+
+
+def sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def add_common_routes(app: FastAPI, state: StubState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/stub/state")
+    async def stub_state() -> dict[str, Any]:
+        return {
+            "flavor": state.cfg.flavor,
+            "version": state.version,
+            "weights_path": state.weights_path,
+            "weight_version": state.weight_version_label,
+            "paused": not state.resumed.is_set(),
+            "requests": state.requests,
+            "in_flight": state.in_flight,
+            "reloads": state.reloads,
+        }
+
+
+def add_vllm_routes(app: FastAPI, state: StubState) -> None:
+    cfg = state.cfg
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": cfg.model, "object": "model", "owned_by": "stub"}
+        return {"object": "list", "data": [{**card, "max_model_len": cfg.max_model_len}]}
+
+    @app.post("/pause")
+    async def pause() -> JSONResponse:
+        state.resumed.clear()
+        return JSONResponse({})
+
+    @app.post("/resume")
+    async def resume() -> JSONResponse:
+        state.resumed.set()
+        return JSONResponse({})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body.get("method") != "reload_weights":
+            return JSONResponse({"error": {"message": "stub: only reload_weights"}}, 400)
+        state.reload((body.get("kwargs") or {}).get("weights_path"))
+        return JSONResponse({"results": [None]})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await request.json() if await request.body() else {}
+        state.weight_version_label = str(body.get("version", body.get("weight_version")))
+        return JSONResponse({})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return JSONResponse(
+                {"error": {"message": "stub: prompt must be a list of token ids", "code": 400}},
+                400,
+            )
+        max_tokens = int(body.get("max_tokens") or 16)
+        stop_ids = set(body.get("stop_token_ids") or [])
+        want_lp = body.get("logprobs") is not None
+        cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+
+        def choice(toks: list[tuple[int, float]], finish: str | None, first: bool) -> dict:
+            c: dict[str, Any] = {
+                "index": 0,
+                "text": "".join(text_of(t) for t, _ in toks),
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+            if want_lp:
+                c["logprobs"] = {
+                    "tokens": [f"token_id:{t}" for t, _ in toks],
+                    "token_logprobs": [lp for _, lp in toks],
+                    "top_logprobs": [{f"token_id:{t}": lp} for t, lp in toks],
+                    "text_offset": [],
+                }
+            if body.get("return_token_ids"):
+                c["token_ids"] = [t for t, _ in toks]
+                c["prompt_token_ids"] = prompt if first else None
+            return c
+
+        def envelope(c: dict, usage: dict | None = None) -> dict:
+            out = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model}
+            return {**out, "choices": [c], "usage": usage}
+
+        def usage(n: int) -> dict:
+            return {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n,
+                "total_tokens": len(prompt) + n,
+            }
+
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[str]:
+                first = True
+                async for tok, lp, finish in state.sample(prompt, max_tokens, stop_ids):
+                    yield sse(envelope(choice([(tok, lp)], finish, first)))
+                    first = False
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        toks: list[tuple[int, float]] = []
+        finish = "length"
+        async for tok, lp, fin in state.sample(prompt, max_tokens, stop_ids):
+            toks.append((tok, lp))
+            finish = fin or finish
+        return envelope(choice(toks, finish, True), usage(len(toks)))
+
+
+def add_sglang_routes(app: FastAPI, state: StubState) -> None:
+    cfg = state.cfg
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": state.weights_path or cfg.model, "is_generation": True}
+
+    @app.post("/pause_generation")
+    async def pause() -> JSONResponse:
+        state.resumed.clear()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def resume() -> JSONResponse:
+        state.resumed.set()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/update_weights_from_disk")
+    async def update(request: Request) -> JSONResponse:
+        body = await request.json()
+        if not body.get("model_path"):
+            return JSONResponse({"success": False, "message": "model_path is required"}, 400)
+        state.reload(body["model_path"])
+        state.weight_version_label = body.get("weight_version")
+        msg = "Succeeded to update model weights."
+        return JSONResponse({"success": True, "message": msg, "num_paused_requests": 0})
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await request.json()
+        ids = body.get("input_ids")
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+            return JSONResponse({"error": {"message": "stub: input_ids required"}}, 400)
+        sp = body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens") or 128)
+        stop_ids = set(sp.get("stop_token_ids") or [])
+        rid = body.get("rid") or uuid.uuid4().hex
+
+        def payload(toks: list[tuple[int, float]], finish: str | None, since: int = 0) -> dict:
+            meta: dict[str, Any] = {
+                "id": rid,
+                "finish_reason": None,
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(toks),
+                "cached_tokens": 0,
+                "weight_version": state.weight_version_label or str(state.version),
+            }
+            if finish == "length":
+                meta["finish_reason"] = {"type": "length", "length": len(toks)}
+            elif finish == "stop":
+                meta["finish_reason"] = {"type": "stop", "matched": toks[-1][0]}
+            if body.get("return_logprob"):
+                meta["output_token_logprobs"] = [[lp, t, None] for t, lp in toks[since:]]
+                start = int(body.get("logprob_start_len", -1))
+                span = ids[start:] if start >= 0 else []
+                meta["input_token_logprobs"] = [[None, t, None] for t in span]
+            text = "".join(text_of(t) for t, _ in toks[since:])
+            return {"text": text, "output_ids": [t for t, _ in toks[since:]], "meta_info": meta}
+
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[str]:
+                toks: list[tuple[int, float]] = []
+                async for tok, lp, finish in state.sample(ids, max_new, stop_ids):
+                    toks.append((tok, lp))
+                    # cumulative by default, as SGLang streams; or only the new token
+                    since = len(toks) - 1 if cfg.incremental_streaming_output else 0
+                    yield sse(payload(toks, finish, since))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        toks = []
+        finish = "length"
+        async for tok, lp, fin in state.sample(ids, max_new, stop_ids):
+            toks.append((tok, lp))
+            finish = fin or finish
+        return payload(toks, finish)
+
+
+def create_app(cfg: StubConfig) -> FastAPI:
+    """The stand-in server for `cfg.flavor`."""
+    app = FastAPI(title=f"rlgate stub ({cfg.flavor})")
+    state = StubState(cfg)
+    app.state.stub = state
+    add_common_routes(app, state)
+    (add_vllm_routes if cfg.flavor == "vllm" else add_sglang_routes)(app, state)
+    return app
+
+
+def launch(
+    flavor: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    latency_ms: float = 0.0,
+    output_tokens: int = 16,
+    extra: Sequence[str] = (),
+    log: Path | None = None,
+) -> subprocess.Popen:
+    """Start the stand-in as a child process (wait for it with `rlgate.stack.wait_healthy`)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "inference.stub_server",
+        f"--flavor={flavor}",
+        f"--host={host}",
+        f"--port={port}",
+        f"--latency-ms={latency_ms}",
+        f"--output-tokens={output_tokens}",
+        *extra,
+    ]
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if log is not None:
+            out.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--model", default="stub-model")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--token-latency-ms", type=float, default=0.0)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--token-base", type=int, default=100)
+    parser.add_argument("--version", type=int, default=0)
+    parser.add_argument("--incremental-streaming-output", action="store_true")
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    cfg = StubConfig(
+        flavor=args.flavor,
+        model=args.model,
+        latency_ms=args.latency_ms,
+        token_latency_ms=args.token_latency_ms,
+        output_tokens=args.output_tokens,
+        vocab_size=args.vocab_size,
+        token_base=args.token_base,
+        version=args.version,
+        incremental_streaming_output=args.incremental_streaming_output,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
