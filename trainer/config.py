@@ -93,10 +93,14 @@ class RunConfig(BaseModel):
         "none", description="think: return <think>...</think> as reasoning_content"
     )
     # --- the training engine (see docs/trainer.md)
-    engine: Literal["local", "fsdp"] = Field(
-        "local", description="local: one process; fsdp: FSDP2 over torchrun ranks"
+    engine: Literal["local", "fsdp", "megatron"] = Field(
+        "local",
+        description="local: one process; fsdp: FSDP2 over torchrun ranks; "
+        "megatron: Megatron-core over torchrun ranks (GPU only, extra [megatron])",
     )
-    world_size: int = Field(1, ge=1, description="torchrun ranks per step (engine='fsdp')")
+    world_size: int = Field(
+        1, ge=1, description="torchrun ranks per step (engine='fsdp' or 'megatron')"
+    )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = 0
 
@@ -121,10 +125,10 @@ class RunConfig(BaseModel):
                 "Dr.GRPO removes length normalisation: set loss_agg='constant' "
                 "and constant_normaliser"
             )
-        if self.engine == "fsdp" and (self.kl_coef > 0 or self.entropy_coef > 0):
-            raise ValueError("kl_coef and entropy_coef need engine='local' for now")
-        if self.world_size > 1 and self.engine != "fsdp":
-            raise ValueError("world_size > 1 needs engine='fsdp'")
+        if self.world_size > 1 and self.engine == "local":
+            raise ValueError("world_size > 1 needs engine='fsdp' or engine='megatron'")
+        if self.engine == "megatron" and self.parallel.backend == "gloo":
+            raise ValueError("engine='megatron' runs on NCCL only: set parallel.backend to 'auto'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":
             raise ValueError("gamma only applies to reward_policy='discounted': set both")
         return self

@@ -166,10 +166,11 @@ class LocalEngine:
     def load_optimizer(self, path: Path) -> bool:
         """Resume AdamW's moments if `path` holds them for this engine's version."""
         if not path.is_file():
+            logger.warning("no optimizer state at %s: fresh AdamW for v%d", path, self.version)
             return False
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved.get("version") != self.version:
-            logger.info(
+            logger.warning(
                 "optimizer state is for v%s, not v%d: fresh AdamW",
                 saved.get("version"),
                 self.version,

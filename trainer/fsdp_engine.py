@@ -13,7 +13,15 @@ One optimizer step, read top to bottom (`FsdpEngine.step`):
    not average them.
 3. Ranks run the same number of micro-batches (FSDP all-gathers per layer
    are collectives): a rank that runs out does a zero-weight dummy pass.
-4. Clip the global grad norm (over DTensor shards), AdamW step.
+4. Clip the global grad norm (over DTensor shards), AdamW step at the
+   schedule's learning rate for this version.
+
+The loss is `trainer.losses.policy.policy_loss`, the one `LocalEngine` uses,
+so the KL penalty and the entropy bonus work here too: the frozen reference
+(the run's base model) is sharded like the policy but never trained, and
+its logprobs are computed without grad at the same trained positions.
+AdamW's moments survive from one step (one torchrun process group) to the
+next through `trainer.fsdp_checkpoint` when the run sets `save_optimizer_state`.
 
 Logprobs follow `LocalEngine.token_logprobs`: the head is applied only at
 positions whose next token is trained. `PolicyLogits` wraps the HF model so
@@ -23,8 +31,7 @@ gathers the embedding, final norm and head.
 
 from __future__ import annotations
 
-import copy
-import shutil
+import logging
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -37,8 +44,10 @@ from torch.distributed.tensor import DTensor
 
 from trainer.batch import Batch, Sample, collate
 from trainer.config import ParallelConfig, RunConfig
-from trainer.engine import TOKENIZER_FILES, learning_rate
-from trainer.losses.ppo import ppo_clip_loss
+from trainer.engine import learning_rate
+from trainer.fsdp_checkpoint import load_optimizer_state, save_optimizer_state
+from trainer.hf_io import write_untied_hf
+from trainer.losses.policy import policy_loss
 from trainer.packing import greedy_pack_groups, pack, padded_groups, trainable_batch
 from trainer.parallel import (
     DTYPES,
@@ -47,7 +56,10 @@ from trainer.parallel import (
     init_distributed,
 )
 
-METRIC_KEYS = ("clip_frac", "approx_kl", "ratio_mean")
+logger = logging.getLogger(__name__)
+
+# per-micro-batch means of the loss's metrics, weighted back to a global mean
+METRIC_KEYS = ("clip_frac", "approx_kl", "ratio_mean", "iw_mean", "entropy")
 
 
 class PolicyLogits(nn.Module):
@@ -76,8 +88,14 @@ def token_logprobs(
     position_ids: torch.Tensor | None,
     loss_mask: torch.Tensor,
     temperatures: torch.Tensor,
-) -> torch.Tensor:
-    """[B, T] logprob of input_ids[:, t] at its temperature where loss_mask is 1; 0 elsewhere."""
+    *,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] logprob of input_ids[:, t] at its temperature where loss_mask is 1; 0 elsewhere.
+
+    `with_entropy`: also the [B, T] entropy of the tempered distribution at the
+    same positions (from the full logits row, as `LocalEngine` computes it).
+    """
     select = loss_mask[:, 1:] > 0
     if not select.any():
         # Keep the head in the graph (its loss weight is 0 through the mask): with FSDP
@@ -90,7 +108,12 @@ def token_logprobs(
     picked = logp.gather(-1, input_ids[:, 1:][select][:, None]).squeeze(-1)
     out = torch.zeros(select.shape, dtype=picked.dtype, device=picked.device)
     out[select] = picked
-    return torch.cat([torch.zeros_like(out[:, :1]), out], dim=1)
+    out = torch.cat([torch.zeros_like(out[:, :1]), out], dim=1)
+    if not with_entropy:
+        return out
+    ent = torch.zeros_like(out[:, 1:])
+    ent[select] = -(logp.exp() * logp).sum(-1)
+    return out, torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
 
 
 def shard_for_rank(samples: list[Sample], rank: int, world_size: int) -> list[Sample]:
@@ -115,44 +138,73 @@ class FsdpEngine:
         version: int,
         cfg: RunConfig,
         parallel: ParallelConfig | None = None,
+        reference_dir: Path | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg = cfg
         self.parallel = parallel or ParallelConfig()
         self.version = version
         self.dist = init_distributed(self.parallel.backend)
         torch.manual_seed(cfg.seed + version)
-        lm = AutoModelForCausalLM.from_pretrained(
-            checkpoint_dir,
-            dtype=torch.float32,
-            attn_implementation=self.parallel.attn_implementation,
-        )
-        self.pad_id = lm.config.pad_token_id or 0
         self.compute_dtype = DTYPES[self.parallel.param_dtype]
-        self.policy = PolicyLogits(lm).to(self.dist.device)
-        self.policy.train()
-        if self.parallel.activation_checkpointing:
-            apply_activation_checkpointing(self.policy)
+        self.policy = self._sharded(checkpoint_dir, train=True)
+        self.pad_id = self.policy.lm.config.pad_token_id or 0
+        self.reference: PolicyLogits | None = None
+        if cfg.kl_coef > 0:  # the frozen base model, for the KL penalty
+            if reference_dir is None:
+                raise ValueError("kl_coef > 0 needs the reference model's directory")
+            self.reference = self._sharded(reference_dir, train=False)
+        self.optimizer = torch.optim.AdamW(  # the schedule is a function of the version
+            self.policy.parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
+        )
+        self.optimizer_resumed = False
+
+    def _sharded(self, model_dir: Path, *, train: bool) -> PolicyLogits:
+        """An HF directory loaded on every rank, wrapped in PolicyLogits and fully sharded.
+
+        The frozen reference (train=False) is sharded too, so it costs each
+        rank 1/world of its weights; it never needs gradients or checkpointing.
+        """
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=self.parallel.attn_implementation
+        )
+        model = PolicyLogits(lm).to(self.dist.device)
+        model.train(train)
+        model.requires_grad_(train)
+        if train and self.parallel.activation_checkpointing:
+            apply_activation_checkpointing(model)
         apply_fsdp(
-            self.policy,
+            model,
             self.dist.mesh,
             param_dtype=self.compute_dtype,
             reduce_dtype=DTYPES[self.parallel.reduce_dtype],
             reshard_after_forward=self.parallel.reshard_after_forward,
             gradient_divide_factor=1.0,  # the loss already divides by the global token count
         )
-        self.optimizer = torch.optim.AdamW(  # the schedule is a function of the version
-            self.policy.parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
+        return model
+
+    def load_optimizer(self, state_dir: Path | None) -> bool:
+        """Resume AdamW from `state_dir` if it holds the state for this version. Collective."""
+        self.optimizer_resumed = load_optimizer_state(
+            self.policy, self.optimizer, state_dir, self.version
         )
+        return self.optimizer_resumed
+
+    def save_optimizer(self, state_dir: Path) -> None:
+        """Save AdamW's sharded state for the version just trained. Collective."""
+        save_optimizer_state(self.policy, self.optimizer, state_dir, self.version)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.dist.device)
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _forward(self, chunk: list[Sample]) -> tuple[torch.Tensor, Batch]:
-        """[S, L] logprobs of `chunk` in its padded layout, and that layout's loss-side tensors."""
+    def _forward(
+        self, chunk: list[Sample]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Batch]:
+        """[S, L] logprobs, entropy and reference logprobs (or None) of `chunk` in its padded
+        layout, and that layout's loss-side tensors."""
         dev = self.dist.device
         if self.parallel.packing:
             pb = pack(chunk, self.pad_id, self.compute_dtype)
@@ -162,12 +214,16 @@ class FsdpEngine:
             batch, pos = trainable_batch(collate(chunk, self.pad_id)), None
             model_in = (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures)
         ids, attn, mask, temps = (t.to(dev) for t in model_in)
-        logp = token_logprobs(
-            self.policy, ids, attn, pos if pos is None else pos.to(dev), mask, temps
-        )
+        pos = pos if pos is None else pos.to(dev)
+        logp, entropy = token_logprobs(self.policy, ids, attn, pos, mask, temps, with_entropy=True)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, ids, attn, pos, mask, temps)
         if self.parallel.packing:
-            logp = pb.unpack(logp)
-        return logp, Batch(*(getattr(batch, f.name).to(dev) for f in fields(batch)))
+            logp, entropy = pb.unpack(logp), pb.unpack(entropy)
+            ref = ref if ref is None else pb.unpack(ref)
+        return logp, entropy, ref, Batch(*(getattr(batch, f.name).to(dev) for f in fields(batch)))
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step over all ranks' samples, one global denominator."""
@@ -186,39 +242,38 @@ class FsdpEngine:
         dummy = Sample([self.pad_id] * 2, [0, 0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], 0)
 
         self.optimizer.zero_grad(set_to_none=True)
-        local = dict.fromkeys(("loss", *METRIC_KEYS), 0.0)
+        keys = (*METRIC_KEYS, "kl_ref") if self.reference is not None else METRIC_KEYS
+        local = dict.fromkeys(("loss", *keys), 0.0)
         ratio_max = 0.0
         for i in range(int(n_micro)):
             real = i < len(groups)
-            logp, batch = self._forward(groups[i] if real else [dummy])
-            loss, m = ppo_clip_loss(
+            logp, entropy, ref_logp, batch = self._forward(groups[i] if real else [dummy])
+            # n_tokens / n_sequences are the global counts: one denominator for every rank
+            loss, m = policy_loss(
                 logp,
                 batch.old_logprobs,
                 batch.advantages,
                 batch.loss_mask,
-                clip_eps_low=cfg.clip_eps_low,
-                clip_eps_high=cfg.clip_eps_high,
-                # Dr.GRPO's constant normaliser: sequences x token budget, like policy_loss
-                normaliser=(
-                    max(n_seqs, 1.0) * (cfg.constant_normaliser or 1)
-                    if cfg.loss_agg == "constant"
-                    else denom
-                ),
-                agg=cfg.loss_agg,
-                seq_weight=max(n_seqs, 1.0),
-                behaviour_weight_cap=cfg.behaviour_weight_cap,
+                cfg,
+                n_tokens=denom,
+                n_sequences=max(n_seqs, 1.0),
+                ref_logp=ref_logp,
+                entropy=entropy,
             )
             loss.backward()
             here = float(batch.loss_mask.sum())
             if real and here > 0:
                 local["loss"] += float(loss.detach())
-                for k in METRIC_KEYS:  # per-micro-batch means, weighted back to a global mean
+                for k in keys:
                     local[k] += m[k] * here / denom
                 ratio_max = max(ratio_max, m["ratio_max"])
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+        lr = learning_rate(cfg, self.version)
+        for group in self.optimizer.param_groups:  # a resumed state carries the previous lr
+            group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         summed = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
@@ -235,6 +290,8 @@ class FsdpEngine:
             "ratio_max": ratio_max,
             "micro_batches": n_micro,
             "world_size": float(self.dist.world_size),
+            "lr": lr,
+            "optimizer_resumed": float(self.optimizer_resumed),
         }
 
     def save(self, out_dir: Path, tokenizer_dir: Path) -> None:
@@ -246,38 +303,10 @@ class FsdpEngine:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.policy, options=opts)  # empty on ranks > 0
         if self.dist.rank == 0:
-            out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+            lm = self.policy.lm
             state = {k.removeprefix("lm."): v for k, v in state.items()}
-            # a tied source model gets an explicit head (vLLM's in-place reload skips tied ones)
-            head, emb = "lm_head.weight", "model.embed_tokens.weight"
-            if head not in state or state[head].data_ptr() == state[emb].data_ptr():
-                state[head] = state[emb].clone()
-            tmp = out_dir.with_name(out_dir.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._untied_shell().save_pretrained(tmp, state_dict=state)
-            for name in TOKENIZER_FILES:
-                src = tokenizer_dir / name
-                if src.is_file() and not (tmp / name).exists():
-                    shutil.copy2(src, tmp / name)
-            shutil.rmtree(out_dir, ignore_errors=True)
-            tmp.rename(out_dir)
+            write_untied_hf(state, lm.config, lm.generation_config, out_dir, tokenizer_dir)
         dist.barrier()
-
-    def _untied_shell(self) -> nn.Module:
-        """An untied copy of the model's architecture on the meta device, for save_pretrained.
-
-        The live model cannot save itself untied: its modules are FSDP-wrapped
-        and a tied source model shares one parameter between embedding and head.
-        """
-        from transformers import AutoModelForCausalLM
-
-        lm = self.policy.lm
-        config = copy.deepcopy(lm.config)
-        config.tie_word_embeddings = False
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        shell.generation_config = copy.deepcopy(lm.generation_config)
-        return shell
 
     def close(self) -> None:
         """Leave the process group together (the engine is unusable afterwards).

@@ -7,6 +7,11 @@ hand-off is through files in a scratch directory:
     samples.pt    plain lists (`write_samples`), read by every rank
     config.json   {"run": RunConfig dict, "parallel": ParallelConfig dict}
     metrics.json  written by rank 0 after the checkpoint is in place
+
+AdamW's state (`optimizer_in` / `optimizer_out`, see `trainer.fsdp_checkpoint`)
+and the frozen reference model (`reference_dir`) are plain directories the
+ranks read and write themselves; with several nodes they must be on a
+filesystem every node sees.
     logs/         torchrun's per-rank stdout/stderr (`--redirects 3`)
 
 On failure the raised `FsdpStepError` carries the tail of every rank's
@@ -86,9 +91,17 @@ def run_fsdp_step(
     world_size: int,
     *,
     parallel: dict[str, Any] | None = None,
+    reference_dir: Path | None = None,
+    optimizer_in: Path | None = None,
+    optimizer_out: Path | None = None,
     timeout_s: float = 3600.0,
 ) -> dict[str, float]:
-    """One step from `checkpoint_dir` (version N) to `out_dir` (N+1) on `world_size` ranks."""
+    """One step from `checkpoint_dir` (version N) to `out_dir` (N+1) on `world_size` ranks.
+
+    `optimizer_in`: AdamW state saved for version N (a missing or mismatched
+    one means fresh AdamW, logged by rank 0 and reported as
+    `optimizer_resumed: 0`); `optimizer_out`: where the state for N+1 goes.
+    """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     if not (Path(checkpoint_dir) / "config.json").is_file():
@@ -108,6 +121,13 @@ def run_fsdp_step(
             f"--tokenizer-dir={Path(tokenizer_dir).resolve()}",
             f"--metrics={metrics}",
         ]
+        for flag, path in (
+            ("reference-dir", reference_dir),
+            ("optimizer-in", optimizer_in),
+            ("optimizer-out", optimizer_out),
+        ):
+            if path is not None:
+                args.append(f"--{flag}={Path(path).resolve()}")
         cmd = torchrun_command(world_size, work / "logs", args)
         with open(work / "torchrun.log", "wb") as log:
             proc = subprocess.Popen(
@@ -130,7 +150,12 @@ def run_fsdp_step(
             # Rank 0 writes the metrics last, after the step and the checkpoint are complete;
             # a rank that dies after that died in process-group teardown, not in the step.
             logger.warning("torchrun exited %d after the step completed:\n%s", rc, _tails(work))
-        return json.loads(metrics.read_text())
+        result = json.loads(metrics.read_text())
+        if optimizer_in is not None and not result.get("optimizer_resumed"):
+            logger.warning(
+                "step from v%d started AdamW fresh: no usable state in %s", version, optimizer_in
+            )
+        return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -15,13 +15,33 @@ Megatron-core's GPT model (Transformer Engine layer spec) fuses what HF keeps ap
 
 (*) per query group g: the group's query heads, then its key head, then its
 value head, stacked along the output dimension (Megatron's grouped-query layout).
+
+Megatron-core's local layer spec (no Transformer Engine) keeps the two
+layer norms as modules of their own: `input_layernorm.weight` and
+`pre_mlp_layernorm.weight` instead of the fused `*.layer_norm_weight` names
+above (`to_local_spec` / `from_local_spec`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
+
+EMBEDDING = "embedding.word_embeddings.weight"
+# keys of `megatron_config` that are GPTModel arguments; the rest are TransformerConfig fields
+GPT_MODEL_KEYS = (
+    "vocab_size",
+    "max_sequence_length",
+    "position_embedding_type",
+    "rotary_base",
+    "share_embeddings_and_output_weights",
+)
+_LOCAL_NORMS = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+)
 
 
 def megatron_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +106,8 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[s
     out = {
         "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
         "model.norm.weight": state["decoder.final_layernorm.weight"],
-        "lm_head.weight": state["output_layer.weight"],  # always untied for inference reloads
+        # always untied for inference reloads; a tied Megatron model has no output layer
+        "lm_head.weight": state.get("output_layer.weight", state[EMBEDDING]),
     }
     for i in range(hf["num_hidden_layers"]):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -102,3 +123,52 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[s
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
         out[p + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
     return out
+
+
+def megatron_model_kwargs(
+    hf: dict[str, Any], params_dtype: torch.dtype = torch.float32
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(TransformerConfig kwargs, GPTModel kwargs) for an HF Llama config, ready to pass.
+
+    Resolves what `megatron_config` names as strings (the activation), turns
+    dropout off (RL fine-tuning of a pretrained policy; HF Llama has none
+    either) and sets the parameter dtype. Rejects what the conversion does
+    not cover, naming the field.
+    """
+    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+    scaled = hf.get("rope_scaling") not in (None, {}) or rope_type != "default"
+    if scaled or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(
+            "engine='megatron' converts plain Llama-family models only "
+            "(no rope_scaling, attention_bias or mlp_bias): use engine='fsdp'"
+        )
+    mapped = megatron_config(hf)
+    gpt = {k: mapped.pop(k) for k in GPT_MODEL_KEYS}
+    gpt["rotary_base"] = int(gpt["rotary_base"])
+    mapped["activation_func"] = getattr(torch.nn.functional, mapped["activation_func"])
+    mapped |= {
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "params_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+    }
+    return mapped, gpt
+
+
+def to_local_spec(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Transformer Engine spec names (what `hf_to_megatron` gives) -> local spec names."""
+    return {_rename(k, _LOCAL_NORMS): v for k, v in state.items()}
+
+
+def from_local_spec(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local spec names -> Transformer Engine spec names (what `megatron_to_hf` reads)."""
+    return {_rename(k, [(b, a) for a, b in _LOCAL_NORMS]): v for k, v in state.items()}
+
+
+def _rename(key: str, pairs) -> str:
+    m = re.match(r"(decoder\.layers\.\d+\.)(.*)", key)
+    if m:
+        for old, new in pairs:
+            if m.group(2) == old:
+                return m.group(1) + new
+    return key

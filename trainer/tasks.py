@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,7 +29,9 @@ from trainer.batch import load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
 from trainer.engine import LocalEngine
+from trainer.engine_check import EngineUnavailable, engine_unavailable
 from trainer.launch import run_fsdp_step, write_samples
+from trainer.metrics_sinks import make_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class Trainer:
         self.settings = settings
         self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
         self.engines: dict[str, LocalEngine] = {}
+        self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> LocalEngine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
@@ -58,7 +61,8 @@ class Trainer:
         engine = LocalEngine(
             Path(pv.checkpoint_path), run.current_version, cfg, reference_dir=Path(run.model_path)
         )
-        engine.load_optimizer(self._optimizer_path(run.id))
+        if cfg.save_optimizer_state:  # a restarted worker resumes the moments saved on disk
+            engine.load_optimizer(self._optimizer_path(run.id))
         self.engines[run.id] = engine
         return engine
 
@@ -89,11 +93,13 @@ class Trainer:
         with self.sessions() as s:
             run = s.get(Run, run_id)
             cfg = RunConfig.model_validate(run.config)
+            if reason := engine_unavailable(cfg.engine):
+                raise EngineUnavailable(reason)  # the step fails with this message
             samples, rewards, _groups, assembly = load_step_samples(s, run_id, step, cfg)
             if not samples:
                 raise RuntimeError(f"step {step} of run {run_id} has no samples")
             model_path = Path(run.model_path)
-            if cfg.engine == "fsdp":
+            if cfg.engine in ("fsdp", "megatron"):
                 pv = s.get(PolicyVersion, (run.id, run.current_version))
                 if pv is None:
                     raise RuntimeError(f"run {run.id} has no checkpoint for v{run.current_version}")
@@ -102,7 +108,7 @@ class Trainer:
                 engine = self.engine_for(run, cfg, s)
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.engine == "fsdp":  # torchrun ranks in a subprocess: this worker may be a child
+        if cfg.engine != "local":  # torchrun ranks in a subprocess: this worker may be a child
             with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
                 metrics = run_fsdp_step(
                     checkpoint,
@@ -113,6 +119,14 @@ class Trainer:
                     model_path,
                     cfg.world_size,
                     parallel=cfg.parallel.model_dump(),
+                    reference_dir=model_path if cfg.kl_coef > 0 else None,
+                    # the state saved by the previous step, whichever worker ran it
+                    optimizer_in=self._fsdp_optimizer_dir(run_id, step)
+                    if cfg.save_optimizer_state
+                    else None,
+                    optimizer_out=self._fsdp_optimizer_dir(run_id, step + 1)
+                    if cfg.save_optimizer_state
+                    else None,
                 )
         else:
             metrics = engine.step(samples)
@@ -154,14 +168,21 @@ class Trainer:
             row.finished_at = datetime.now(UTC)
         self._prune(run_id, step + 1, cfg.keep_checkpoints)
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
+        self.sinks.log(run_id, step + 1, {**metrics, "reward_mean": statistics.fmean(rewards)})
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
 
     def _optimizer_path(self, run_id: str) -> Path:
         return self.settings.checkpoints_dir / run_id / "optimizer.pt"
 
+    def _fsdp_optimizer_dir(self, run_id: str, version: int) -> Path:
+        """The FSDP engine's sharded AdamW state after `version` (one directory per version)."""
+        return self.settings.checkpoints_dir / run_id / "optimizer-fsdp" / f"v{version}"
+
     def _fail(self, run_id: str, step: int, exc: Exception) -> None:
         """Mark the step failed and hand its episodes back, so the scheduler can retry it."""
         with self.sessions.begin() as s:
+            # the run row first, like the scheduler's claim: a claim sees this failure whole
+            s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
             row = s.get(TrainStep, (run_id, step))
             if row is not None and row.status != "done":
                 row.status = "failed"
@@ -178,6 +199,7 @@ class Trainer:
         root = self.settings.checkpoints_dir / run_id
         for v in range(1, newest - keep + 1):
             shutil.rmtree(root / f"v{v}", ignore_errors=True)
+            shutil.rmtree(root / "optimizer-fsdp" / f"v{v}", ignore_errors=True)
 
 
 def register_tasks(app: Celery, settings: Settings) -> Trainer:

@@ -107,6 +107,116 @@ def test_two_rank_fsdp_step_matches_local_engine(
     assert moved > 0.5 * LR, "the step barely moved the weights: the comparison is vacuous"
 
 
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> None:
+    assert set(got) == set(want)
+    for name, weight in want.items():
+        diff = (got[name] - weight).abs().max().item()
+        assert diff <= tol, f"{name}: FSDP and local weights differ by {diff:.2e}"
+
+
+def test_fsdp_optimizer_state_resumes_across_steps(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two torchrun steps (two process groups, as after a worker restart) with the AdamW
+    state saved and loaded between them match two steps of one LocalEngine; with the state
+    deleted, the second step falls back to fresh AdamW, logs it, and matches that instead."""
+    cfg = CFG.model_copy(update={"save_optimizer_state": True})
+    local = LocalEngine(tiny_model_dir, 0, cfg)
+    vocab = local.model.config.vocab_size
+    first, second = _samples(10, vocab, seed=1), _samples(10, vocab, seed=2)
+    local.step(first)
+    local.save(tmp_path / "local-v1", tiny_model_dir)
+    local.step(second)
+    kept = {k: v.clone() for k, v in local.model.state_dict().items()}
+    fresh = LocalEngine(tmp_path / "local-v1", 1, cfg)  # same weights, AdamW from zero
+    fresh.step(second)
+    restarted = fresh.model.state_dict()
+    gap = (kept["lm_head.weight"] - restarted["lm_head.weight"]).abs().median().item()
+    assert gap > 0.2 * LR, "fresh and resumed AdamW agree: the comparison is vacuous"
+
+    def fsdp(ckpt: Path, version: int, samples, out: Path, **kw) -> dict:
+        return run_fsdp_step(
+            ckpt,
+            version,
+            cfg.model_dump(),
+            write_samples(samples, tmp_path / f"samples{version}.pt"),
+            out,
+            tiny_model_dir,
+            world_size=2,
+            parallel={"packing": True, "pack_tokens": 64},
+            timeout_s=600,
+            **kw,
+        )
+
+    opt = tmp_path / "optimizer-fsdp"
+    m1 = fsdp(tiny_model_dir, 0, first, tmp_path / "v1", optimizer_out=opt / "v1")
+    assert m1["optimizer_resumed"] == 0  # nothing was asked for: no warning either
+    assert json.loads((opt / "v1" / "meta.json").read_text()) == {"version": 1, "world_size": 2}
+    m2 = fsdp(
+        tmp_path / "v1",
+        1,
+        second,
+        tmp_path / "v2",
+        optimizer_in=opt / "v1",
+        optimizer_out=opt / "v2",
+    )
+    assert m2["optimizer_resumed"] == 1 and m2["version"] == 2
+    _assert_close(_weights(tmp_path / "v2"), kept, 1e-5)
+
+    import shutil
+
+    shutil.rmtree(opt / "v1")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer.launch"):
+        m3 = fsdp(tmp_path / "v1", 1, second, tmp_path / "v2-fresh", optimizer_in=opt / "v1")
+    assert m3["optimizer_resumed"] == 0 and m3["version"] == 2
+    assert any("AdamW fresh" in r.getMessage() for r in caplog.records)
+    _assert_close(_weights(tmp_path / "v2-fresh"), restarted, 1e-5)
+
+
+def test_two_rank_fsdp_kl_and_entropy_match_local_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """KL (k3) to the frozen base model and the entropy bonus: same loss, metrics and weights.
+
+    The step starts from v1 (one plain step away from the base) so that the KL term is
+    not zero and its gradient reaches every weight.
+    """
+    base = LocalEngine(tiny_model_dir, 0, CFG)
+    vocab = base.model.config.vocab_size
+    base.step(_samples(10, vocab, seed=3))
+    base.save(tmp_path / "v1", tiny_model_dir)
+    cfg = CFG.model_copy(update={"kl_coef": 0.5, "kl_estimator": "k3", "entropy_coef": 0.01})
+    local = LocalEngine(tmp_path / "v1", 1, cfg, reference_dir=tiny_model_dir)
+    samples = _samples(10, vocab, seed=4)
+    expected = local.step(samples)
+    assert expected["kl_ref"] > 1e-6 and expected["entropy"] > 0
+
+    metrics = run_fsdp_step(
+        tmp_path / "v1",
+        1,
+        cfg.model_dump(),
+        write_samples(samples, tmp_path / "samples.pt"),
+        tmp_path / "v2",
+        tiny_model_dir,
+        world_size=2,
+        parallel={"packing": True, "pack_tokens": 64},
+        reference_dir=tiny_model_dir,
+        timeout_s=600,
+    )
+    assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    for key in ("kl_ref", "entropy", "clip_frac", "approx_kl", "iw_mean"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    _assert_close(_weights(tmp_path / "v2"), local.model.state_dict(), 1e-5)
+
+
 def test_a_tied_source_model_is_saved_with_an_explicit_head(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -133,6 +243,40 @@ def test_a_tied_source_model_is_saved_with_an_explicit_head(
     head, emb = reloaded.get_output_embeddings().weight, reloaded.get_input_embeddings().weight
     assert head.data_ptr() != emb.data_ptr() and torch.equal(head, emb)
     assert (tmp_path / "v1" / "tokenizer.json").is_file()
+
+
+def test_fsdp_optimizer_state_is_used_only_for_its_version(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """In-process, one rank: save after v0 -> v1, resume at v1, refuse at v2 (fresh AdamW)."""
+    from trainer.fsdp_engine import FsdpEngine
+
+    samples = _samples(4, 64)
+    engine = FsdpEngine(tiny_model_dir, 0, CFG)
+    try:
+        engine.step(samples)
+        engine.save(tmp_path / "v1", tiny_model_dir)
+        engine.save_optimizer(tmp_path / "opt")
+        saved = engine.optimizer.state_dict()["state"]
+    finally:
+        engine.close()
+    assert not (tmp_path / "opt.tmp").exists()
+    for version, expected in ((1, True), (2, False)):
+        again = FsdpEngine(tmp_path / "v1", version, CFG)
+        try:
+            assert again.load_optimizer(tmp_path / "opt") is expected
+            state = again.optimizer.state_dict()["state"]
+            if expected:
+                first = next(iter(saved))
+                mine = state[first]["exp_avg"]
+                mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+                want = saved[first]["exp_avg"]
+                want = want.full_tensor() if hasattr(want, "full_tensor") else want
+                assert torch.equal(mine, want) and float(state[first]["step"]) == 1
+            else:
+                assert state == {}
+        finally:
+            again.close()
 
 
 def test_a_failing_step_raises_with_the_ranks_stderr(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -57,32 +57,16 @@ def test_train_step_through_redis_and_hot_swap(
                         "group_size": 2,
                         "groups_per_step": 2,
                         "micro_batch_size": 2,
-                        # fsdp: the worker launches 2 torchrun ranks (gloo) for the step
-                        **({"engine": "fsdp", "world_size": 2} if engine == "fsdp" else {}),
+                        # fsdp: the worker launches 2 torchrun ranks (gloo) for the step, with
+                        # the KL/entropy terms and AdamW state carried between steps
+                        **(FSDP_CONFIG if engine == "fsdp" else {}),
                     },
                 },
             )
             assert r.status_code == 201, r.text
             run = r.json()
         root = run["base_url"].removesuffix("/v1")
-        rewarded = 0
-        for g in range(2):
-            for e in range(2):
-                client = openai.OpenAI(
-                    base_url=f"{root}/groups/g{g}/episodes/e{g}-{e}/v1", api_key=run["api_key"]
-                )
-                resp = client.chat.completions.create(
-                    model="it", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=6
-                )
-                assert resp.system_fingerprint.endswith("-v0")
-                assert resp.model_extra["episode_id"] == f"e{g}-{e}"
-                ack = client.post(
-                    "/rewards",
-                    body={"completion_id": resp.id, "reward": float(e)},
-                    cast_to=object,
-                )
-                assert ack["episode_status"] in ("rewarded", "queued")
-                rewarded += 1
+        rewarded = _play_two_groups(root, run["api_key"], version=0)
         info = _wait_served(stack, run["run_id"], 1)
         assert info["current_version"] == 1
         with stack.admin() as admin:
@@ -97,3 +81,48 @@ def test_train_step_through_redis_and_hot_swap(
         )
         assert resp.system_fingerprint.endswith("-v1")
         assert resp.model_extra["policy_version"] == 1
+
+        if engine != "fsdp":
+            return
+        # a second FSDP step: a new torchrun group that resumes AdamW and keeps the KL term
+        _play_two_groups(root, run["api_key"], version=1)
+        _wait_served(stack, run["run_id"], 2)
+        with stack.admin() as admin:
+            steps = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
+    first, second = steps[0]["metrics"], steps[1]["metrics"]
+    assert first["optimizer_resumed"] == 0 and second["optimizer_resumed"] == 1
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # v0 is the reference
+    assert second["kl_ref"] > 0 and second["entropy"] > 0
+    states = settings.checkpoints_dir / run["run_id"] / "optimizer-fsdp"
+    assert sorted(p.name for p in states.iterdir()) == ["v1", "v2"]
+
+
+FSDP_CONFIG = {
+    "engine": "fsdp",
+    "world_size": 2,
+    "save_optimizer_state": True,
+    "kl_coef": 0.05,
+    "entropy_coef": 0.01,
+}
+
+
+def _play_two_groups(root: str, api_key: str, version: int) -> int:
+    """Two groups of two episodes (rewards 0 and 1) sampled at `version`; returns 4."""
+    rewarded = 0
+    for g in range(2):
+        for e in range(2):
+            episode = f"e{version}-{g}-{e}"
+            client = openai.OpenAI(
+                base_url=f"{root}/groups/g{version}-{g}/episodes/{episode}/v1", api_key=api_key
+            )
+            resp = client.chat.completions.create(
+                model="it", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=6
+            )
+            assert resp.system_fingerprint.endswith(f"-v{version}")
+            assert resp.model_extra["episode_id"] == episode
+            ack = client.post(
+                "/rewards", body={"completion_id": resp.id, "reward": float(e)}, cast_to=object
+            )
+            assert ack["episode_status"] in ("rewarded", "queued")
+            rewarded += 1
+    return rewarded

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MAX_STALENESS = 0  # strict: traffic sampled during a step is stale by the next one
 
 
-def _agent(run: dict, root: str, stop_at: float, errors: list[str]) -> None:
-    while time.monotonic() < stop_at:
+def _agent(run: dict, root: str, stop: threading.Event, errors: list[str]) -> None:
+    while not stop.is_set():
         group = "g-" + uuid.uuid4().hex[:8]
         for e in range(2):
             client = openai.OpenAI(
@@ -77,12 +77,20 @@ def test_no_step_trains_beyond_the_bound(redis_url, model_cache, tmp_path) -> No
         ).json()
         root = run["base_url"].removesuffix("/v1")
         errors: list[str] = []
-        stop_at = time.monotonic() + 25
-        agents = [
-            threading.Thread(target=_agent, args=(run, root, stop_at, errors)) for _ in range(4)
-        ]
+        stop = threading.Event()
+        agents = [threading.Thread(target=_agent, args=(run, root, stop, errors)) for _ in range(4)]
         for t in agents:
             t.start()
+        # Traffic runs until two steps trained under it (not for a fixed time: on a loaded
+        # machine a step can take longer than any fixed window), with a cap so a stuck
+        # trainer fails the test below instead of hanging it.
+        cap = time.monotonic() + 300
+        while time.monotonic() < cap and not errors:
+            steps = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
+            if sum(s["status"] == "done" for s in steps) >= 2:
+                break
+            time.sleep(0.5)
+        stop.set()
         for t in agents:
             t.join()
         steps = _settled(admin, run["run_id"])

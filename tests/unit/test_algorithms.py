@@ -86,7 +86,6 @@ def test_constant_normaliser_ignores_answer_length() -> None:
     [
         ({"advantage_estimator": "drgrpo"}, "loss_agg"),
         ({"loss_agg": "constant"}, "constant_normaliser"),
-        ({"engine": "fsdp", "kl_coef": 0.1}, "kl_coef"),
         ({"world_size": 2}, "engine"),
         ({"gamma": 0.9}, "discounted"),
         ({"behaviour_weight_cap": 0.5}, "behaviour_weight_cap"),
@@ -148,3 +147,30 @@ def test_optimizer_state_resumes_for_the_right_version(tiny_model_dir, tmp_path)
         assert torch.equal(a[k]["exp_avg"], b[k]["exp_avg"])
     stale = LocalEngine(tmp_path / "v1", 2, cfg)  # a different version: start fresh
     assert not stale.load_optimizer(tmp_path / "optimizer.pt")
+
+
+def test_local_engine_resumed_after_a_restart_equals_one_kept_in_memory(
+    tiny_model_dir, tmp_path
+) -> None:
+    """What a restarted worker does (Trainer.engine_for): weights from v1, AdamW from disk."""
+    from trainer.batch import Sample
+    from trainer.engine import LocalEngine
+
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, learning_rate=1e-3)
+    samples = [
+        Sample([5, 6, 7, 9], [0, 1, 1, 1], [0, -4.0, -4.0, -5.0], [0, a, a, a], [1.0] * 4, 0)
+        for a in (1.0, -1.0)
+    ]
+    kept = LocalEngine(tiny_model_dir, 0, cfg)
+    kept.step(samples)
+    kept.save(tmp_path / "v1", tiny_model_dir)
+    kept.save_optimizer(tmp_path / "optimizer.pt")
+    kept.step(samples)
+    restarted = LocalEngine(tmp_path / "v1", 1, cfg)
+    assert restarted.load_optimizer(tmp_path / "optimizer.pt")
+    restarted.step(samples)
+    fresh = LocalEngine(tmp_path / "v1", 1, cfg)
+    fresh.step(samples)
+    a, b, c = (e.model.state_dict()["lm_head.weight"] for e in (kept, restarted, fresh))
+    assert torch.allclose(a, b, atol=1e-7)
+    assert (a - c).abs().max() > 1e-4  # a fresh AdamW would have moved elsewhere

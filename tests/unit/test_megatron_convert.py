@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from trainer.megatron_convert import hf_to_megatron, megatron_config, megatron_to_hf
@@ -49,3 +50,40 @@ def test_config_mapping(tiny_model_dir) -> None:
     assert cfg["kv_channels"] == hf["head_dim"]
     assert cfg["gated_linear_unit"] and cfg["normalization"] == "RMSNorm"
     assert cfg["share_embeddings_and_output_weights"] is False
+
+
+def test_model_kwargs_split_and_resolve(tiny_model_dir) -> None:
+    from trainer.megatron_convert import GPT_MODEL_KEYS, megatron_model_kwargs
+
+    _, hf = _tiny(tiny_model_dir)
+    config_kw, gpt_kw = megatron_model_kwargs(hf, torch.bfloat16)
+    assert set(gpt_kw) == set(GPT_MODEL_KEYS) and not set(config_kw) & set(GPT_MODEL_KEYS)
+    assert config_kw["activation_func"] is torch.nn.functional.silu
+    assert config_kw["params_dtype"] is torch.bfloat16 and config_kw["bf16"] is True
+    assert config_kw["hidden_dropout"] == 0.0 and config_kw["attention_dropout"] == 0.0
+    assert gpt_kw["position_embedding_type"] == "rope" and isinstance(gpt_kw["rotary_base"], int)
+    assert gpt_kw["vocab_size"] == hf["vocab_size"]
+    with pytest.raises(ValueError, match="engine='fsdp'"):
+        megatron_model_kwargs({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        megatron_model_kwargs({**hf, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_local_layer_spec_names_round_trip(tiny_model_dir) -> None:
+    from trainer.megatron_convert import from_local_spec, to_local_spec
+
+    state, hf = _tiny(tiny_model_dir)
+    te = hf_to_megatron(state, hf)
+    local = to_local_spec(te)
+    assert "decoder.layers.0.input_layernorm.weight" in local
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in local
+    assert not any(k.endswith("layer_norm_weight") for k in local)
+    assert local.keys() - te.keys() and from_local_spec(local).keys() == te.keys()
+
+
+def test_a_tied_megatron_model_gets_an_explicit_head(tiny_model_dir) -> None:
+    state, hf = _tiny(tiny_model_dir)
+    mg = hf_to_megatron(state, hf)
+    del mg["output_layer.weight"]  # share_embeddings_and_output_weights: no output layer
+    back = megatron_to_hf(mg, hf)
+    assert torch.equal(back["lm_head.weight"], state["model.embed_tokens.weight"])

@@ -25,8 +25,8 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: RunConfig,
     *,
-    n_tokens: int,
-    n_sequences: int,
+    n_tokens: float,
+    n_sequences: float,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,0 +1,54 @@
+"""Trainer metrics sinks: JSON lines always; TensorBoard events read back when installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.metrics_sinks import MetricsSinkConfig, MetricsSinks, make_sinks
+
+STEP = {"loss": 0.25, "reward_mean": 0.5, "tokens": 32, "staleness_histogram": {"0": 4}}
+
+
+def test_jsonl_sink_appends_one_scalar_line_per_step(tmp_path) -> None:
+    sinks = make_sinks(MetricsSinkConfig(dir=tmp_path))
+    sinks.log("run_a", 1, STEP)
+    sinks.log("run_a", 2, STEP | {"loss": 0.125})
+    sinks.log("run_b", 1, STEP)
+    sinks.close()
+    lines = [json.loads(x) for x in (tmp_path / "run_a" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [1, 2]
+    assert [x["loss"] for x in lines] == [0.25, 0.125]
+    assert "staleness_histogram" not in lines[0]  # scalars only
+    assert (tmp_path / "run_b" / "metrics.jsonl").exists()
+
+
+def test_no_dir_no_sinks_and_failures_do_not_raise(tmp_path, caplog) -> None:
+    assert make_sinks(MetricsSinkConfig()).sinks == []
+
+    class Broken:
+        def log(self, *args) -> None:
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            pass
+
+    MetricsSinks([Broken()]).log("run", 1, STEP)  # logged, not raised
+    assert "metrics sink Broken failed" in caplog.text
+
+
+def test_tensorboard_events_read_back(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sinks = make_sinks(MetricsSinkConfig(dir=tmp_path, tensorboard=True))
+    assert len(sinks.sinks) == 2
+    for version, loss in [(1, 0.5), (2, 0.25), (3, 0.125)]:
+        sinks.log("run_tb", version, {"loss": loss, "reward_mean": version / 10})
+    sinks.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "run_tb"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [(e.step, e.value) for e in events] == [(1, 0.5), (2, 0.25), (3, 0.125)]
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == [1, 2, 3]

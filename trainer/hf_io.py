@@ -1,0 +1,49 @@
+"""Write a full state dict as an untied Hugging Face directory, atomically, for inference."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import torch
+
+from trainer.engine import TOKENIZER_FILES
+
+
+def write_untied_hf(
+    state: dict[str, torch.Tensor],
+    config,
+    generation_config,
+    out_dir: Path,
+    tokenizer_dir: Path,
+) -> None:
+    """Save `state` (HF names) under `out_dir` with an explicit head and the tokenizer files.
+
+    A tied source model gets `lm_head.weight` as a copy of the embedding and
+    `tie_word_embeddings: false` (vLLM's in-place reload skips tied weights).
+    Written to `out_dir.tmp`, then renamed, so a reader never sees half a checkpoint.
+    The model class is built on the meta device from `config`: no second copy in memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    state = dict(state)
+    head, emb = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in state or state[head].data_ptr() == state[emb].data_ptr():
+        state[head] = state[emb].clone()
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if generation_config is not None:
+        shell.generation_config = copy.deepcopy(generation_config)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shell.save_pretrained(tmp, state_dict=state)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.is_file() and not (tmp / name).exists():
+            shutil.copy2(src, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
