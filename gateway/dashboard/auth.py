@@ -1,0 +1,100 @@
+"""Dashboard sessions: a signed cookie after an admin-key login, and per-session CSRF tokens.
+
+The cookie holds `{"exp", "csrf"}` signed with HMAC-SHA256 under a key
+derived from the admin credential, so every gateway process sharing that
+credential accepts it, and rotating the credential logs every session out.
+It is HttpOnly (scripts cannot read it) and SameSite=Strict (other sites
+cannot make the browser send it). Every POST must also carry the session's
+CSRF token as the `csrf_token` form field or the `X-CSRF-Token` header; the
+login form, which has no session yet, uses a double-submit cookie instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from urllib.parse import parse_qs
+
+from fastapi import Request
+
+from gateway.errors import AuthenticationFailed, PermissionDenied
+
+SESSION_COOKIE = "rlgate_session"
+LOGIN_CSRF_COOKIE = "rlgate_login_csrf"
+SESSION_TTL_S = 12 * 3600
+MAX_FORM_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Session:
+    csrf: str
+    expires: int
+
+
+class SessionSigner:
+    def __init__(self, admin_key: str, ttl_s: int = SESSION_TTL_S) -> None:
+        self._key = hashlib.sha256(b"rlgate-dashboard-session\0" + admin_key.encode()).digest()
+        self.ttl_s = ttl_s
+
+    def _sign(self, payload: bytes) -> str:
+        return hmac.new(self._key, payload, hashlib.sha256).hexdigest()
+
+    def issue(self) -> tuple[str, Session]:
+        session = Session(csrf=secrets.token_urlsafe(24), expires=int(time.time()) + self.ttl_s)
+        payload = json.dumps({"exp": session.expires, "csrf": session.csrf}).encode()
+        body = base64.urlsafe_b64encode(payload).decode().rstrip("=")
+        return f"{body}.{self._sign(payload)}", session
+
+    def verify(self, cookie: str | None) -> Session | None:
+        if not cookie or "." not in cookie:
+            return None
+        body, _, sig = cookie.rpartition(".")
+        try:
+            payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        except ValueError:
+            return None
+        if not hmac.compare_digest(sig, self._sign(payload)):
+            return None
+        try:
+            data = json.loads(payload)
+            session = Session(csrf=str(data["csrf"]), expires=int(data["exp"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return session if session.expires > time.time() else None
+
+
+def current_session(request: Request) -> Session | None:
+    return request.app.state.dashboard_signer.verify(request.cookies.get(SESSION_COOKIE))
+
+
+async def read_form(request: Request) -> dict[str, str]:
+    """An urlencoded form body (what the dashboard's forms send), first value per field."""
+    raw = await request.body()
+    if len(raw) > MAX_FORM_BYTES:
+        raise PermissionDenied("form too large", code="form_too_large")
+    try:
+        fields = parse_qs(raw.decode(), keep_blank_values=True, max_num_fields=100)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PermissionDenied("unreadable form", code="bad_form") from exc
+    return {k: v[0] for k, v in fields.items()}
+
+
+def check_csrf(request: Request, form: dict[str, str], expected: str) -> None:
+    given = request.headers.get("x-csrf-token") or form.get("csrf_token", "")
+    if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise PermissionDenied("missing or wrong CSRF token", code="csrf_failed")
+
+
+async def session_post(request: Request) -> tuple[Session, dict[str, str]]:
+    """A logged-in POST with its form, its CSRF token checked (401 without session, 403 CSRF)."""
+    session = current_session(request)
+    if session is None:
+        raise AuthenticationFailed("log in to the dashboard first", code="no_session")
+    form = await read_form(request)
+    check_csrf(request, form, session.csrf)
+    return session, form

@@ -1,0 +1,175 @@
+"""Prometheus metrics: a registry per app, request middleware, and store-derived families.
+
+Request counts and latencies are recorded by `PrometheusMiddleware` labelled
+by route template (not the raw path, so label cardinality stays bounded) and
+status. Token totals, queue depth, served versions and episodes by status are
+read from the store when `/metrics` is scraped: they are then exact for every
+gateway process sharing the store, streaming answers included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.store.models import Completion, Episode, Run, TrainStep
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass
+class StoreSnapshot:
+    """What the store said at the last scrape, per run."""
+
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    output_tokens: dict[str, int] = field(default_factory=dict)
+    pending_steps: dict[str, int] = field(default_factory=dict)
+    current_version: dict[str, int] = field(default_factory=dict)
+    served_version: dict[str, int] = field(default_factory=dict)
+    episodes: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+class StoreCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot = StoreSnapshot()
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        families = [
+            (CounterMetricFamily, "rlgate_prompt_tokens", "prompt tokens sent to the backend"),
+            (CounterMetricFamily, "rlgate_output_tokens", "tokens sampled by the backend"),
+            (GaugeMetricFamily, "rlgate_pending_train_steps", "train steps queued or running"),
+            (GaugeMetricFamily, "rlgate_current_version", "newest policy version of the run"),
+            (GaugeMetricFamily, "rlgate_served_version", "policy version this gateway serves"),
+        ]
+        values = [
+            snap.prompt_tokens,
+            snap.output_tokens,
+            snap.pending_steps,
+            snap.current_version,
+            snap.served_version,
+        ]
+        for (kind, name, doc), by_run in zip(families, values, strict=True):
+            fam = kind(name, doc, labels=["run_id"])
+            for run_id, value in sorted(by_run.items()):
+                fam.add_metric([run_id], value)
+            yield fam
+        eps = GaugeMetricFamily(
+            "rlgate_episodes", "episodes by status", labels=["run_id", "status"]
+        )
+        for (run_id, status), n in sorted(snap.episodes.items()):
+            eps.add_metric([run_id, status], n)
+        yield eps
+
+
+class GatewayMetrics:
+    """The app's own registry (never the process-global one) and its instruments."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "rlgate_http_requests",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "rlgate_http_request_duration_seconds",
+            "time to the end of the response body",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.store = StoreCollector()
+        self.registry.register(self.store)
+
+    async def refresh(self, sessions: async_sessionmaker[AsyncSession], served: dict) -> None:
+        # length() of the packed int32 arrays is 4 bytes per token on SQLite and PostgreSQL.
+        async with sessions() as s:
+            tokens = (
+                await s.execute(
+                    select(
+                        Completion.run_id,
+                        func.coalesce(func.sum(func.length(Completion.prompt_token_ids)), 0),
+                        func.coalesce(func.sum(func.length(Completion.output_token_ids)), 0),
+                    ).group_by(Completion.run_id)
+                )
+            ).all()
+            pending = (
+                await s.execute(
+                    select(TrainStep.run_id, func.count())
+                    .where(TrainStep.status.in_(("queued", "running")))
+                    .group_by(TrainStep.run_id)
+                )
+            ).all()
+            versions = (await s.execute(select(Run.id, Run.current_version))).all()
+            episodes = (
+                await s.execute(
+                    select(Episode.run_id, Episode.status, func.count()).group_by(
+                        Episode.run_id, Episode.status
+                    )
+                )
+            ).all()
+        self.store.snapshot = StoreSnapshot(
+            prompt_tokens={r: int(p) // 4 for r, p, _ in tokens},
+            output_tokens={r: int(o) // 4 for r, _, o in tokens},
+            pending_steps={r: int(n) for r, n in pending},
+            current_version={r: int(v) for r, v in versions},
+            served_version={r: int(serving.backend.version) for r, serving in served.items()},
+            episodes={(r, st): int(n) for r, st, n in episodes},
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PrometheusMiddleware:
+    """Counts every HTTP request and times it to the last body byte (streams included)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observe)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            method = scope.get("method", "")
+            self.metrics.requests.labels(template, method, str(status)).inc()
+            self.metrics.latency.labels(template, method).observe(time.perf_counter() - start)
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format. Unauthenticated, like most exporters: bind or firewall it."""
+    state = request.app.state
+    await state.metrics.refresh(state.sessions, state.pool.loaded())
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,142 @@
+"""Request and response models of the admin API beyond run creation and keys."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Config knobs the gateway and the scheduler read afresh on every pass, so a change takes
+# effect at the next scheduling decision. Loss and optimizer knobs are not here: a worker
+# keeps a warm engine built from the config it started with.
+LIVE_CONFIG_KEYS = frozenset(
+    {
+        "groups_per_step",
+        "max_staleness",
+        "max_pending_episodes",
+        "episode_timeout_s",
+        "group_timeout_s",
+        "incomplete_groups",
+        "reward_min",
+        "reward_max",
+        "keep_checkpoints",
+        "prefix_match_window_s",
+    }
+)
+
+
+class RunUpdate(BaseModel):
+    """PATCH body: a new name and/or config knobs from `LIVE_CONFIG_KEYS`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, min_length=1, max_length=200)
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="knobs safe to change live; others get 400"
+    )
+
+
+class RunDeleted(BaseModel):
+    run_id: str
+    deleted: bool = True
+
+
+class PolicyVersionPublic(BaseModel):
+    version: int
+    created_at: str
+    checkpoint_available: bool
+    # The train step that produced it (None for version 0 and for rollbacks).
+    step: int | None = None
+    rolled_back_from: int | None = None
+    served: bool = False
+    reward_mean: float | None = None
+    loss: float | None = None
+    metrics: dict[str, Any] = {}
+
+
+class RollbackResult(BaseModel):
+    run_id: str
+    version: int  # the new version N+1
+    rolled_back_from: int
+
+
+EpisodeStatus = Literal["open", "rewarded", "queued", "trained", "dropped", "expired"]
+
+
+class EpisodeSummary(BaseModel):
+    episode_id: str
+    group_id: str
+    status: str
+    reward: float | None
+    train_step: int | None
+    turns: int
+    versions: list[int]
+    created_at: str
+
+
+class EpisodePage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EpisodeSummary]
+    has_more: bool
+
+
+class TokenView(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None  # None for prompt (context) tokens
+    trained: bool  # whether the loss was taken on this token
+
+
+class CompletionDetail(BaseModel):
+    completion_id: str
+    parent_id: str | None
+    messages: list[Any]
+    content: str
+    tool_calls: list[Any] | None
+    finish_reason: str
+    policy_version: int
+    reward: float | None
+    drift: bool
+    spliced: bool
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    loss_mask: list[int]  # over prompt + output
+    prompt_tokens: list[TokenView]
+    output_tokens: list[TokenView]
+    created_at: str
+
+
+class EpisodeDetail(EpisodeSummary):
+    completions: list[CompletionDetail]
+
+
+class MetricPoint(BaseModel):
+    step: int
+    version: int
+    time: str | None
+    values: dict[str, float | None]
+
+
+class MetricSeries(BaseModel):
+    run_id: str
+    names: list[str]
+    points: list[MetricPoint]
+
+
+class CountersPublic(BaseModel):
+    run_id: str
+    template_drift: int
+    dropped: dict[str, int]
+    episodes_by_status: dict[str, int]
+    counters: dict[str, Any]
+
+
+class WorkersStatus(BaseModel):
+    broker: str
+    workers: dict[str, Any]  # worker name -> {active, reserved, ...}
+    reachable: bool
+    queue: str
+    queue_depth: int | None  # messages waiting in the broker, when it can be asked
+    pending_steps: int  # train steps queued or running in the store
+    error: str | None = None

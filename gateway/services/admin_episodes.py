@@ -1,0 +1,195 @@
+"""Episodes for the admin API and dashboard: filtered lists and a token-level detail view.
+
+The detail shows each completion's prompt and sampled tokens decoded one by
+one, with the behaviour logprob of every sampled token and whether the loss
+was taken on it. The loss mask follows the trainer's: sampled tokens only,
+never the prompt (which includes tool results and earlier turns); a sampled
+token counts as trained once its episode reached status "trained".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol_admin import (
+    CompletionDetail,
+    EpisodeDetail,
+    EpisodePage,
+    EpisodeSummary,
+    TokenView,
+)
+from gateway.store.models import Completion, Episode, Run
+from gateway.store.repo import as_utc
+
+
+class TokenDecoder:
+    """One tokenizer per model directory, loaded off the event loop on first use."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, model_dir: str) -> Any:
+        async with self._lock:
+            if model_dir not in self._tokenizers:
+                from transformers import AutoTokenizer  # heavy: only when a detail is asked
+
+                self._tokenizers[model_dir] = await asyncio.to_thread(
+                    AutoTokenizer.from_pretrained, Path(model_dir)
+                )
+            return self._tokenizers[model_dir]
+
+
+def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i]) for i in ids]
+
+
+class EpisodeAdmin:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self.sessions = sessions
+        self.decoder = TokenDecoder()
+
+    async def list(
+        self,
+        run_id: str,
+        *,
+        status: str | None = None,
+        reward_min: float | None = None,
+        reward_max: float | None = None,
+        version: int | None = None,
+        limit: int = 50,
+        after: str | None = None,
+    ) -> EpisodePage:
+        """Newest first; `after` is the last episode id of the previous page."""
+        if reward_min is not None and reward_max is not None and reward_min > reward_max:
+            raise InvalidRequest("reward_min is above reward_max", param="reward_min")
+        async with self.sessions() as s:
+            if await s.get(Run, run_id) is None:
+                raise NotFound(f"no run {run_id!r}", param="run_id")
+            stmt = select(Episode).where(Episode.run_id == run_id)
+            if status is not None:
+                stmt = stmt.where(Episode.status == status)
+            if reward_min is not None:
+                stmt = stmt.where(Episode.reward >= reward_min)
+            if reward_max is not None:
+                stmt = stmt.where(Episode.reward <= reward_max)
+            if version is not None:
+                stmt = stmt.where(
+                    exists().where(
+                        Completion.run_id == Episode.run_id,
+                        Completion.episode_id == Episode.id,
+                        Completion.policy_version == version,
+                    )
+                )
+            if after is not None:
+                anchor = await s.get(Episode, (run_id, after))
+                if anchor is None:
+                    raise InvalidRequest(f"no episode {after!r} to page after", param="after")
+                stmt = stmt.where(
+                    or_(
+                        Episode.created_at < anchor.created_at,
+                        and_(Episode.created_at == anchor.created_at, Episode.id < anchor.id),
+                    )
+                )
+            stmt = stmt.order_by(Episode.created_at.desc(), Episode.id.desc()).limit(limit + 1)
+            episodes = list((await s.execute(stmt)).scalars())
+            more = len(episodes) > limit
+            episodes = episodes[:limit]
+            stats = await self._turn_stats(s, run_id, [e.id for e in episodes])
+        return EpisodePage(
+            data=[_summary(e, *stats.get(e.id, (0, []))) for e in episodes], has_more=more
+        )
+
+    async def _turn_stats(
+        self, s: AsyncSession, run_id: str, ids: list[str]
+    ) -> dict[str, tuple[int, list[int]]]:
+        if not ids:
+            return {}
+        rows = await s.execute(
+            select(Completion.episode_id, Completion.policy_version, func.count())
+            .where(Completion.run_id == run_id, Completion.episode_id.in_(ids))
+            .group_by(Completion.episode_id, Completion.policy_version)
+        )
+        turns: dict[str, int] = defaultdict(int)
+        versions: dict[str, list[int]] = defaultdict(list)
+        for ep_id, version, n in rows.all():
+            turns[ep_id] += int(n)
+            versions[ep_id].append(int(version))
+        return {k: (turns[k], sorted(versions[k])) for k in turns}
+
+    async def detail(self, run_id: str, episode_id: str) -> EpisodeDetail:
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"no run {run_id!r}", param="run_id")
+            ep = await s.get(Episode, (run_id, episode_id))
+            if ep is None:
+                raise NotFound(f"no episode {episode_id!r} in run {run_id!r}", param="episode_id")
+            completions = list(
+                (
+                    await s.execute(
+                        select(Completion)
+                        .where(Completion.run_id == run_id, Completion.episode_id == episode_id)
+                        .order_by(Completion.created_at, Completion.id)
+                    )
+                ).scalars()
+            )
+        tokenizer = await self.decoder.get(run.model_path)
+        trained = ep.status == "trained"
+        details = await asyncio.to_thread(
+            lambda: [_completion(tokenizer, c, trained) for c in completions]
+        )
+        versions = sorted({c.policy_version for c in completions})
+        return EpisodeDetail(
+            **_summary(ep, len(completions), versions).model_dump(), completions=details
+        )
+
+
+def _summary(ep: Episode, turns: int, versions: list[int]) -> EpisodeSummary:
+    return EpisodeSummary(
+        episode_id=ep.id,
+        group_id=ep.group_id,
+        status=ep.status,
+        reward=ep.reward,
+        train_step=ep.train_step,
+        turns=turns,
+        versions=versions,
+        created_at=as_utc(ep.created_at).isoformat(),
+    )
+
+
+def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetail:
+    prompt_text = _pieces(tokenizer, c.prompt_token_ids)
+    output_text = _pieces(tokenizer, c.output_token_ids)
+    return CompletionDetail(
+        completion_id=c.id,
+        parent_id=c.parent_id,
+        messages=c.messages,
+        content=c.content,
+        tool_calls=c.tool_calls,
+        finish_reason=c.finish_reason,
+        policy_version=c.policy_version,
+        reward=c.reward,
+        drift=bool(c.drift),
+        spliced=bool(c.spliced),
+        prompt_token_ids=c.prompt_token_ids,
+        output_token_ids=c.output_token_ids,
+        output_logprobs=c.output_logprobs,
+        loss_mask=[0] * len(c.prompt_token_ids) + [1] * len(c.output_token_ids),
+        prompt_tokens=[
+            TokenView(id=i, text=t, trained=False)
+            for i, t in zip(c.prompt_token_ids, prompt_text, strict=True)
+        ],
+        output_tokens=[
+            TokenView(id=i, text=t, logprob=lp, trained=trained)
+            for i, t, lp in zip(c.output_token_ids, output_text, c.output_logprobs, strict=True)
+        ],
+        created_at=as_utc(c.created_at).isoformat(),
+    )

@@ -1,0 +1,184 @@
+"""Must-show: log in, open a run holding real training data, charts drawn, tokens coloured.
+
+Real uvicorn gateway, real Celery worker, two real train steps on the tiny
+model, Debian's chromium driven by Playwright. Screenshots go to the
+test-artifact directory (`$RLGATE_ARTIFACTS/browser` or `test-artifacts/browser`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.browser.rl_run import ADMIN_KEY
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CHARTS = ("reward_mean", "loss", "kl", "entropy", "clip_frac", "staleness_mean", "tokens_per_s")
+
+
+def _login(page, url: str, key: str = ADMIN_KEY) -> None:
+    page.goto(f"{url}/dashboard/")
+    assert page.url.endswith("/dashboard/login")  # no session: sent to the login form
+    page.fill("input[name=admin_key]", key)
+    page.click("#login-form button[type=submit]")
+
+
+def _points(path_d: str) -> int:
+    return len(re.findall(r"[ML]-?\d", path_d))
+
+
+def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, artifacts_dir) -> None:
+    run_id = real_run.run["run_id"]
+    page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    _login(page, real_run.url, "not-the-key")
+    assert "wrong admin key" in page.inner_text(".error")
+    page.fill("input[name=admin_key]", ADMIN_KEY)
+    page.click("#login-form button[type=submit]")
+    page.wait_for_selector(f"tr[data-run='{run_id}']")
+    # reward sparkline from the two finished steps
+    spark = page.wait_for_selector(f"tr[data-run='{run_id}'] .spark svg path", state="attached")
+    assert _points(spark.get_attribute("d")) == 2
+    page.screenshot(path=str(artifacts_dir / "runs.png"), full_page=True)
+
+    page.click(f"tr[data-run='{run_id}'] a")
+    page.wait_for_selector("figure[data-series=reward_mean] svg path.series", state="attached")
+    for name in CHARTS:
+        svg = page.wait_for_selector(f"figure[data-series={name}] svg.rl-chart", state="attached")
+        assert svg.get_attribute("data-points") == "2", name
+        d = page.get_attribute(f"figure[data-series={name}] path.series", "d")
+        assert _points(d) == 2, (name, d)
+        assert page.locator(f"figure[data-series={name}] circle.pt").count() == 2
+    # hot-swap history: the base model and the two trained versions, v2 serving
+    rows = page.locator("#versions tbody tr")
+    assert rows.count() == 3
+    assert "serving" in rows.first.inner_text() and "v2" in rows.first.inner_text()
+    page.screenshot(path=str(artifacts_dir / "run.png"), full_page=True)
+    page.check("input[name=xaxis][value=time]")
+    assert _points(page.get_attribute("figure[data-series=loss] path.series", "d")) == 2
+
+    # an episode whose second turn followed a tool call, trained at step 0
+    page.click("#episodes a:text-is('s0-g0-e1')")
+    page.wait_for_selector(".tokens.output .tok")
+    assert "add" in page.inner_text(".messages")  # the tool call is shown
+    tokens = page.locator(".tokens.output .tok")
+    assert tokens.count() > 0
+    for i in range(tokens.count()):
+        tok = tokens.nth(i)
+        logprob = float(tok.get_attribute("data-logprob"))
+        assert logprob <= 0.0
+        hue = int(re.search(r"hsl\((\d+),", tok.get_attribute("style")).group(1))
+        assert hue == round(120 * min(1.0, 2.718281828459045**logprob))  # colour from logprob
+        assert f"logprob {logprob:.4f}" in tok.get_attribute("title")
+        assert "trained" in (tok.get_attribute("class") or "").split()
+    # the prompt's tokens are masked (no loss), the rendered colour is not the default
+    assert page.locator(".prompt-tokens .tok.masked").count() > 0
+    page.screenshot(path=str(artifacts_dir / "episode.png"), full_page=True)
+
+    # pause and resume from the UI; the admin API sees each change
+    page.goto(f"{real_run.url}/dashboard/runs/{run_id}")
+    with real_run.admin() as admin:
+        page.click("#btn-pause")
+        page.wait_for_selector("#run-status:text-is('paused')")
+        assert admin.get(f"/admin/v1/runs/{run_id}").json()["status"] == "paused"
+        page.click("#btn-resume")
+        page.wait_for_selector("#run-status:text-is('active')")
+        assert admin.get(f"/admin/v1/runs/{run_id}").json()["status"] == "active"
+    page.close()
+
+
+def test_create_run_from_the_ui(browser, real_run) -> None:
+    page = browser.new_page()
+    _login(page, real_run.url)
+    page.fill("#create-run input[name=name]", "ui-made")
+    page.fill("#create-run input[name=config]", '{"group_size": 3}')
+    page.click("#create-run button[type=submit]")
+    key = page.inner_text("#new-key")  # shown once
+    with real_run.admin() as admin:
+        made = [r for r in admin.get("/admin/v1/runs").json() if r["name"] == "ui-made"]
+        assert len(made) == 1 and made[0]["config"]["group_size"] == 3
+        keys = admin.get(f"/admin/v1/runs/{made[0]['run_id']}/keys").json()
+    assert key.startswith(keys[0]["prefix"])
+    # a bad config is refused with the service's message, and creates nothing
+    page.goto(f"{real_run.url}/dashboard/")
+    page.fill("#create-run input[name=name]", "ui-bad")
+    page.fill("#create-run input[name=config]", '{"group_size": 1}')
+    page.click("#create-run button[type=submit]")
+    assert "group_size" in page.inner_text(".error")
+    with real_run.admin() as admin:
+        assert not [r for r in admin.get("/admin/v1/runs").json() if r["name"] == "ui-bad"]
+    page.close()
+
+
+def test_keys_page_create_and_revoke(browser, real_run) -> None:
+    run_id = real_run.run["run_id"]
+    page = browser.new_page()
+    _login(page, real_run.url)
+    page.goto(f"{real_run.url}/dashboard/runs/{run_id}/keys")
+    page.click("text=New key")
+    key = page.inner_text("#new-key")
+    chat = {"model": real_run.run["name"], "messages": [{"role": "user", "content": "hi"}]}
+    http = httpx.Client(base_url=real_run.url, timeout=60)
+    auth = {"Authorization": f"Bearer {key}"}
+    assert http.post("/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth).is_success
+    row = page.locator("#keys tbody tr").last
+    row.locator("button:text-is('Revoke')").click()
+    page.wait_for_load_state()
+    assert page.locator("#keys tbody tr").last.locator("button").count() == 0
+    r = http.post("/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth)
+    assert r.status_code == 401  # revoked at once
+    page.close()
+
+
+def _http_session(url: str) -> tuple[httpx.Client, str]:
+    """Log in over plain HTTP; returns the client (holding the cookie) and its CSRF token."""
+    http = httpx.Client(base_url=url, timeout=60, follow_redirects=False)
+    form = http.get("/dashboard/login").text
+    token = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)
+    r = http.post("/dashboard/login", data={"csrf_token": token, "admin_key": ADMIN_KEY})
+    assert r.status_code == 303, r.text
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
+    page = http.get("/dashboard/").text
+    return http, re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+
+
+def test_every_dashboard_post_needs_the_session_csrf_token(real_run) -> None:
+    run_id = real_run.run["run_id"]
+    http, csrf = _http_session(real_run.url)
+    status = lambda: real_run.admin().get(f"/admin/v1/runs/{run_id}").json()["status"]  # noqa: E731
+    posts = [
+        f"/dashboard/runs/{run_id}/pause",
+        f"/dashboard/runs/{run_id}/stop",
+        "/dashboard/runs",
+        f"/dashboard/runs/{run_id}/keys",
+        "/dashboard/logout",
+    ]
+    keys_before = len(real_run.admin().get(f"/admin/v1/runs/{run_id}/keys").json())
+    for path in posts:
+        for data in ({}, {"csrf_token": "forged"}):
+            r = http.post(path, data=data | {"name": "x", "model": "tiny"})
+            assert r.status_code == 403, (path, r.status_code)
+            assert r.json()["error"]["code"] == "csrf_failed"
+        r = http.post(path, data={}, headers={"X-CSRF-Token": csrf + "x"})
+        assert r.status_code == 403
+    assert status() == "active"
+    assert len(real_run.admin().get(f"/admin/v1/runs/{run_id}/keys").json()) == keys_before
+    # the login form itself needs its double-submit token
+    fresh = httpx.Client(base_url=real_run.url, timeout=60)
+    assert fresh.post("/dashboard/login", data={"admin_key": ADMIN_KEY}).status_code == 403
+    # a forged session cookie is no session
+    fresh.cookies.set("rlgate_session", "e30.deadbeef", path="/dashboard")
+    assert fresh.get("/dashboard/api/runs").status_code == 401
+    # with the token, the same POST works
+    r = http.post(f"/dashboard/runs/{run_id}/pause", data={"csrf_token": csrf})
+    assert r.status_code == 303 and status() == "paused"
+    r = http.post(f"/dashboard/runs/{run_id}/resume", headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 303 and status() == "active"
+    # log out: the cookie is cleared and the pages send the browser back to the login form
+    r = http.post("/dashboard/logout", data={"csrf_token": csrf})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+    assert "rlgate_session=" in r.headers["set-cookie"] and "Max-Age=0" in r.headers["set-cookie"]
+    assert http.get("/dashboard/api/runs").status_code == 401
