@@ -11,10 +11,18 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics, PrometheusMiddleware
+from gateway.metrics import router as metrics_router
 from gateway.middleware import BodyLimit
 from gateway.routes import (
     admin,
+    admin_episodes,
+    admin_metrics,
+    admin_quotas,
+    admin_replicas,
+    admin_runs,
     completions_legacy,
     export,
     health,
@@ -22,10 +30,14 @@ from gateway.routes import (
     responses,
     rewards,
 )
+from gateway.services.admin_state import close_admin_services, install_admin_services
 from gateway.services.backends import BackendPool
+from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
 from gateway.services.keys import KeyService
+from gateway.services.quotas import QuotaMiddleware
 from gateway.services.rewards import RewardService
+from gateway.services.run_replicas import ReplicaService
 from gateway.services.runs import RunService
 from gateway.services.training import TrainingScheduler, WeightSync
 from gateway.store.db import make_async_engine
@@ -49,7 +61,11 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             await asyncio.to_thread(upgrade, url)
         engine = make_async_engine(url)
         sessions = async_sessionmaker(engine, expire_on_commit=False)
-        pool = BackendPool(max_batch_size=settings.max_batch_size)
+        pool = BackendPool(
+            max_batch_size=settings.max_batch_size,
+            sessions=sessions,
+            replica_config=settings.replica_config(),
+        )
         celery = make_celery(settings.queue())
         scheduler = TrainingScheduler(sessions, celery, settings.step_timeout_s)
         sync = WeightSync(sessions, pool, scheduler, settings.sync_interval_s)
@@ -57,10 +73,19 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.admin_key = settings.resolved_admin_key()
         app.state.sessions = sessions
         app.state.pool = pool
-        app.state.chat = ChatService(sessions, pool)
+        capture = CaptureWriter(
+            sessions, max_batch=settings.capture_max_batch, linger_s=settings.capture_linger_s
+        )
+        capture.start()
+        app.state.capture = capture
+        app.state.chat = ChatService(sessions, pool, capture)
         app.state.rewards = RewardService(sessions)
-        app.state.runs = RunService(sessions, pool, settings.models_dir)
+        app.state.runs = RunService(
+            sessions, pool, settings.models_dir, local_trainer=not settings.broker_url
+        )
         app.state.keys = KeyService(sessions)
+        app.state.replicas = ReplicaService(sessions, pool)
+        install_admin_services(app.state, settings, sessions, pool, celery)
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
@@ -70,6 +95,8 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sync_task
+            await capture.close()  # answered completions are committed before the engine goes
+            await close_admin_services(app.state)
             await pool.close()
             await engine.dispose()
 
@@ -77,10 +104,20 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     install_error_handlers(app)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
+    app.state.metrics = GatewayMetrics()  # this app's own Prometheus registry
+    app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
 
     app.include_router(health.router)
+    app.include_router(admin_replicas.router)  # before admin's catch-all POST /runs/{id}/{action}
     app.include_router(admin.router)
     app.include_router(export.router)
+    app.include_router(admin_runs.router)
+    app.include_router(admin_episodes.router)
+    app.include_router(admin_metrics.router)
+    app.include_router(admin_quotas.router)
+    app.include_router(metrics_router)
+    install_dashboard(app)
     for prefix in EPISODE_PREFIXES:
         app.include_router(openai_api.router, prefix=prefix, include_in_schema=prefix == "")
         app.include_router(completions_legacy.router, prefix=prefix, include_in_schema=prefix == "")

@@ -10,6 +10,7 @@
     ├── PayloadTooLarge           413 invalid_request_error
     ├── RateLimited               429 rate_limit_error (with Retry-After)
     ├── Unavailable               503 service_unavailable (retryable)
+    │   (also: the database unreachable, SQLAlchemy's OperationalError)
     └── ...
 
 Anything else that escapes a handler is a bug: logged with its traceback and
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,18 @@ def install_error_handlers(app: FastAPI) -> None:
         err.status = exc.status_code
         err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(err)
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        # The database unreachable (restart, network cut) is retryable, not a bug.
+        if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+            logger.warning("database unavailable: %s", exc.orig)
+            return error_response(
+                Unavailable(
+                    "the database is unavailable; retry the request", code="database_unavailable"
+                )
+            )
+        return await _bug(request, exc)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:

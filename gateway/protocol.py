@@ -259,8 +259,28 @@ class RunCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     model: str = Field(min_length=1, max_length=500, description="alias (tiny, smollm2) or path")
-    backend: Literal["local"] = "local"
+    backend: Literal["local", "vllm", "sglang"] = "local"
     config: dict[str, Any] = Field(default_factory=dict, description="trainer.config.RunConfig")
+    # vllm/sglang: base URLs of servers already serving `model` (more: POST .../replicas)
+    replicas: list[str] = Field(default_factory=list, max_length=64)
+
+
+class ReplicaCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=8, max_length=500, description="server base URL, without /v1")
+
+
+class ReplicaPublic(BaseModel):
+    """One inference server of a run; live fields are null while the run is not loaded."""
+
+    url: str
+    healthy: bool | None = None
+    loading: bool | None = None
+    version: int | None = None  # the policy version this server serves now
+    outstanding: int | None = None  # requests it is generating now
+    served: int | None = None
+    last_error: str | None = None
 
 
 class RunPublic(BaseModel):
@@ -272,6 +292,7 @@ class RunPublic(BaseModel):
     base_url: str
     current_version: int
     served_version: int | None
+    replicas: list[ReplicaPublic] = []  # vllm/sglang: each server's version, health, load
     config: dict[str, Any]
     counters: dict[str, Any]
     # How calls found their episode (path, header, metadata, prefix, new) and how many

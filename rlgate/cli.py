@@ -15,12 +15,9 @@ from rlgate.settings import Settings
 def _demo(args: argparse.Namespace) -> int:
     from rlgate.demo import DemoConfig, run_demo
 
-    if args.backend != "local":
-        print(
-            f"backend {args.backend!r} is not available yet: use --backend local", file=sys.stderr
-        )
-        return 2
-    cfg = DemoConfig(model=args.model, out=Path(args.out), seed=args.seed, port=args.port)
+    cfg = DemoConfig(
+        model=args.model, out=Path(args.out), seed=args.seed, port=args.port, backend=args.backend
+    )
     if args.steps is not None:
         cfg.steps = args.steps
     return run_demo(cfg, Settings())
@@ -61,7 +58,13 @@ def _runs_create(args: argparse.Namespace) -> int:
     try:
         resp = httpx.post(
             f"{url}/admin/v1/runs",
-            json={"name": args.name, "model": args.model, "config": config},
+            json={
+                "name": args.name,
+                "model": args.model,
+                "config": config,
+                "backend": args.backend,
+                "replicas": args.replica or [],
+            },
             headers={"Authorization": f"Bearer {admin_key}"},
             timeout=300,
         )
@@ -87,6 +90,30 @@ def _export(args: argparse.Namespace) -> int:
 
 def _bench_train(args: argparse.Namespace) -> int:
     from rlgate.bench_train import run
+
+    return run(args)
+
+
+def _bench_capture(args: argparse.Namespace) -> int:
+    from rlgate.bench_capture import run
+
+    return run(args)
+
+
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from rlgate.bench_gateway import run
+
+    return run(args)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from rlgate.bench_e2e import run
+
+    return run(args)
+
+
+def _bench_swap(args: argparse.Namespace) -> int:
+    from rlgate.bench_swap import run
 
     return run(args)
 
@@ -121,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--name", required=True)
     create.add_argument("--model", required=True, help="tiny, smollm2 or a local HF directory")
     create.add_argument("--config", default=None, help="RunConfig as JSON")
+    create.add_argument("--backend", default="local", choices=["local", "vllm", "sglang"])
+    create.add_argument("--replica", action="append", help="vllm/sglang server URL (repeatable)")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_runs_create)
 
@@ -138,6 +167,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train_arguments(
         bench_sub.add_parser("train", help="packed vs padded training tokens/s")
     ).set_defaults(func=_bench_train)
+    from rlgate.bench_capture import add_arguments as bench_capture_arguments
+
+    bench_capture_arguments(
+        bench_sub.add_parser("capture", help="completions/s persisted: group commit vs one each")
+    ).set_defaults(func=_bench_capture)
+    from rlgate.bench_gateway import add_arguments as bench_gateway_arguments
+
+    bench_gateway_arguments(
+        bench_sub.add_parser("gateway", help="latency and req/s: stub vs rlgate vs LiteLLM proxy")
+    ).set_defaults(func=_bench_gateway)
+    from rlgate.bench_e2e import add_arguments as bench_e2e_arguments
+
+    bench_e2e_arguments(
+        bench_sub.add_parser("e2e", help="trained samples/s: max_staleness 0 vs 1 and 2")
+    ).set_defaults(func=_bench_e2e)
+    from rlgate.bench_swap import add_arguments as bench_swap_arguments
+
+    bench_swap_arguments(
+        bench_sub.add_parser("swap", help="vLLM hot-swap seconds vs a server restart")
+    ).set_defaults(func=_bench_swap)
+    from rlgate.inference_cli import add_arguments as inference_arguments
+
+    inference_arguments(sub)
     return p
 
 

@@ -1,5 +1,8 @@
 """`rlgate demo`: the whole loop on the embedded default, with plain OpenAI-SDK agents.
 
+With `--backend vllm` the demo also starts a vLLM server (the code of
+`rlgate inference serve`) and the gateway samples from it and hot-swaps into it.
+
 Per step: a wave of agents (groups of `group_size` attempts at the same
 problem) call the gateway over HTTP, each reply is scored, rewards go back
 through the REST API, the gateway enqueues a train step, the Celery worker
@@ -10,6 +13,7 @@ from N+1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -17,6 +21,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,9 @@ class DemoConfig:
     min_gain: float = 0.1  # reward_last - reward_first needed to call the run learned
     max_waves_per_step: int = 4
     run_config: dict[str, Any] = field(default_factory=dict)
+    backend: str = "local"  # or "vllm": the demo starts a vLLM server (rlgate inference serve)
+    vllm_port: int = 8767
+    vllm_max_model_len: int = 2048
 
 
 @dataclass
@@ -124,7 +132,9 @@ async def _step_queued(admin: httpx.AsyncClient, run_id: str, step: int) -> dict
     return next((s for s in steps if s["step"] == step and s["status"] != "failed"), None)
 
 
-async def _loop(url: str, admin_key: str, cfg: DemoConfig) -> dict[str, Any]:
+async def _loop(
+    url: str, admin_key: str, cfg: DemoConfig, replicas: list[str] | None = None
+) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     headers = {"Authorization": f"Bearer {admin_key}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as admin:
@@ -136,9 +146,10 @@ async def _loop(url: str, admin_key: str, cfg: DemoConfig) -> dict[str, Any]:
             "seed": cfg.seed,
             **cfg.run_config,
         }
-        r = await admin.post(
-            "/admin/v1/runs", json={"name": "demo", "model": cfg.model, "config": run_cfg}
-        )
+        body = {"name": "demo", "model": cfg.model, "config": run_cfg, "backend": cfg.backend}
+        if replicas:
+            body["replicas"] = replicas
+        r = await admin.post("/admin/v1/runs", json=body)
         if r.status_code != 201:
             raise RuntimeError(f"could not create the run: {r.text}")
         run = r.json()
@@ -242,6 +253,28 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _vllm_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
+    """The same server `rlgate inference serve --backend vllm` starts; yields its URL."""
+    from inference.launch import ServerConfig, running_server
+    from inference.models import resolve_model
+    from rlgate.inference_cli import server_python
+
+    model_dir = resolve_model(cfg.model, settings.models_dir)
+    context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    server = ServerConfig(
+        kind="vllm",
+        model_dir=model_dir,
+        python=server_python("vllm", None, settings),
+        port=cfg.vllm_port,
+        max_model_len=min(cfg.vllm_max_model_len, int(context or cfg.vllm_max_model_len)),
+    )
+    print(f"starting vLLM at {server.url} (about 30-100 s) ...", flush=True)
+    (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
+    with running_server(server, cfg.out / "logs" / "vllm.log", timeout_s=900):
+        yield server.url
+
+
 def run_demo(cfg: DemoConfig, base: Settings) -> int:
     """Returns the process exit code: 0 only if the run learned."""
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -264,9 +297,13 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
 
     print("preparing the model (SmolLM2 is converted once, about 20 s) ...", flush=True)
     resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
-    print("starting the gateway and a Celery worker ...", flush=True)
-    with embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs") as url:
-        result = asyncio.run(_loop(url, settings.admin_key, cfg))
+    with contextlib.ExitStack() as stack:
+        replicas = None
+        if cfg.backend == "vllm":
+            replicas = [stack.enter_context(_vllm_server(cfg, settings))]
+        print("starting the gateway and a Celery worker ...", flush=True)
+        url = stack.enter_context(embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs"))
+        result = asyncio.run(_loop(url, settings.admin_key, cfg, replicas))
     summary = summarize(cfg, result["steps"])
     summary["run_id"] = result["run_id"]
     summary["converged_early"] = result["converged"]

@@ -8,7 +8,9 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inference.replicas import ReplicaConfig
 from trainer.config import QueueConfig
+from trainer.metrics_sinks import MetricsSinkConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +33,46 @@ class Settings(BaseSettings):
     model_cache_dir: Path | None = Field(None, description="default: data_dir")
     max_body_bytes: int = Field(4 * 1024 * 1024, description="larger request bodies get 413")
     max_batch_size: int = Field(32, ge=1, description="local backend batch size")
+    vllm_python: str = Field("", description="python of vLLM's own venv; empty: the cached one")
+    sglang_python: str = Field("", description="python of SGLang's own environment")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
     step_timeout_s: float = Field(
         1800.0, gt=0, description="resend a train step queued or running longer than this"
     )
+    capture_max_batch: int = Field(
+        128, ge=1, description="most completions committed in one transaction (group commit)"
+    )
+    capture_linger_s: float = Field(
+        0.0, ge=0, description="wait this long for a batch to fill; 0: batch what arrived"
+    )
+    replica_health_interval_s: float = Field(
+        2.0, gt=0, description="vllm/sglang runs: seconds between replica health checks"
+    )
+    replica_max_attempts: int = Field(
+        3, ge=1, description="replicas tried per request before its error reaches the client"
+    )
+    replica_sticky_slack: int = Field(
+        4, ge=0, description="an episode stays on its replica while at most this much busier"
+    )
+    replica_drain_timeout_s: float = Field(
+        300.0, gt=0, description="rolling swap: wait this long for a replica to go idle"
+    )
+
+    # Per-key rate limits and token quotas (gateway/services/quotas.py); off without a Redis URL.
+    quota_redis_url: str = Field("", description="Redis for per-key quotas; empty: quotas off")
+    quota_prefix: str = Field("rlgate:quota:", description="namespace of the quota keys in Redis")
+    quota_requests_per_min: int | None = Field(
+        None, ge=1, description="default limit for keys without their own; None: unlimited"
+    )
+    quota_tokens_per_day: int | None = Field(
+        None, ge=1, description="default prompt + output tokens per key per UTC day"
+    )
+
+    metrics_dir: Path | None = Field(
+        None, description="trainer: also write step metrics as JSON lines (and TensorBoard) here"
+    )
+    metrics_tensorboard: bool = Field(False, description="trainer: TensorBoard events too")
+    metrics_wandb_project: str | None = Field(None, description="trainer: also log to W&B")
 
     @property
     def resolved_database_url(self) -> str:
@@ -57,6 +95,21 @@ class Settings(BaseSettings):
             raise ValueError("RLGATE_ADMIN_KEY is empty: set it, or set RLGATE_DEV_MODE=1")
         logger.warning("no RLGATE_ADMIN_KEY set: using the development key %r", DEV_ADMIN_KEY)
         return DEV_ADMIN_KEY
+
+    def replica_config(self) -> ReplicaConfig:
+        return ReplicaConfig(
+            health_interval_s=self.replica_health_interval_s,
+            max_attempts=self.replica_max_attempts,
+            sticky_slack=self.replica_sticky_slack,
+            drain_timeout_s=self.replica_drain_timeout_s,
+        )
+
+    def metrics_sinks(self) -> MetricsSinkConfig:
+        return MetricsSinkConfig(
+            dir=self.metrics_dir,
+            tensorboard=self.metrics_tensorboard,
+            wandb_project=self.metrics_wandb_project,
+        )
 
     def queue(self) -> QueueConfig:
         return QueueConfig(

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import RunDep
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.protocol import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from gateway.services.episodes import EpisodeRef
 from gateway.services.streaming import ChatStream
@@ -31,8 +31,15 @@ def episode_ref(request: Request) -> EpisodeRef:
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    async for chunk in chunks:
-        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    except APIError as exc:
+        # The status line went out with the first chunk: OpenAI's in-stream error event
+        # (e.g. the database gone before the completion could be stored), and no [DONE].
+        logger.warning("stream ended by an error: %s", exc.message)
+        yield f"data: {json.dumps(exc.body(), separators=(',', ':'))}\n\n"
+        return
     yield "data: [DONE]\n\n"
 
 

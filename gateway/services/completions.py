@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.orm import make_transient
 
 from gateway.errors import InvalidRequest, RateLimited, Unavailable
 from gateway.protocol import (
@@ -25,6 +23,7 @@ from gateway.protocol import (
     Usage,
 )
 from gateway.services.backends import BackendPool, RunServing
+from gateway.services.capture import CaptureWriter
 from gateway.services.episodes import (
     EpisodeRef,
     Placement,
@@ -72,13 +71,30 @@ class Prepared:
 
 
 class ChatService:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], pool: BackendPool) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        capture: CaptureWriter | None = None,
+    ) -> None:
         self.sessions = sessions
         self.pool = pool
+        # Without a started writer (no app lifespan) each store is its own transaction.
+        self.capture = capture or CaptureWriter(sessions)
+        self._checkpoints: dict[tuple[str, int], str] = {}
 
     async def serving(self, run: Run) -> RunServing:
-        async with self.sessions() as s:
-            ckpt = await repo.checkpoint_of(s, run.id, run.current_version)
+        key = (run.id, run.current_version)
+        ckpt = self._checkpoints.get(key)
+        if ckpt is None:
+            async with self.sessions() as s:
+                ckpt = await repo.checkpoint_of(s, run.id, run.current_version)
+            if ckpt is not None:
+                # A version's checkpoint never changes once written (a rollback makes a new
+                # version): one query per version, not one per request.
+                if len(self._checkpoints) > 4096:
+                    self._checkpoints.clear()
+                self._checkpoints[key] = ckpt
         try:
             return await self.pool.get(
                 run.id,
@@ -178,7 +194,9 @@ class ChatService:
         try:
             results = await asyncio.gather(
                 *(
-                    serving.backend.generate(GenerateRequest(prompt_ids, _nth_seed(params, i)))
+                    serving.backend.generate(
+                        GenerateRequest(prompt_ids, _nth_seed(params, i), prep.placement.episode_id)
+                    )
                     for i in range(n)
                 )
             )
@@ -250,27 +268,12 @@ class ChatService:
         return row
 
     async def store(self, rows: list[Completion], group_id: str | None) -> None:
-        """Insert the completions and, if new, their episodes, in one transaction.
+        """Commit the completions and, if new, their episodes before the answer goes out.
 
-        Concurrent first calls of one episode may race to create it: retried.
+        Group commit (`CaptureWriter`): batched with concurrent requests' rows, and
+        awaited, so an answered completion is always stored; 503 if the database is down.
         """
-        for attempt in range(3):
-            try:
-                async with self.sessions.begin() as s:
-                    for row in rows:
-                        ep = await repo.get_or_create_episode(
-                            s, row.run_id, row.episode_id, group_id
-                        )
-                        if ep.status == "rewarded" and not await repo.has_episode_reward(s, ep):
-                            # A new turn after per-turn rewards: the episode was not over.
-                            ep.status, ep.reward, ep.rewarded_at = "open", None, None
-                        s.add(row)
-                return
-            except IntegrityError:
-                if attempt == 2:
-                    raise
-                for row in rows:
-                    make_transient(row)
+        await self.capture.submit(rows, group_id)
 
     @staticmethod
     def _response(

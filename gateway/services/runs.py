@@ -13,20 +13,28 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
-from gateway.services.backends import BackendPool
+from gateway.services.backends import REMOTE_BACKENDS, BackendPool
+from gateway.services.run_replicas import normalize_url, public_replicas
 from gateway.store import repo
-from gateway.store.models import ApiKey, PolicyVersion, Run, TrainStep
+from gateway.store.models import ApiKey, PolicyVersion, Run, RunReplica, TrainStep
 from inference.models import resolve_model
 from trainer.config import RunConfig
+from trainer.engine_check import engine_unavailable
 
 
 class RunService:
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], pool: BackendPool, models_dir: Path
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        models_dir: Path,
+        local_trainer: bool = False,
     ) -> None:
         self.sessions = sessions
         self.pool = pool
         self.models_dir = models_dir
+        # the trainer worker shares this machine (embedded broker): its engine can be checked here
+        self.local_trainer = local_trainer
 
     async def create(self, body: RunCreate, base_url: str) -> RunCreated:
         try:
@@ -35,10 +43,15 @@ class RunService:
             first = exc.errors()[0]
             param = "config." + ".".join(str(p) for p in first["loc"]) if first["loc"] else "config"
             raise InvalidRequest(f"{param}: {first['msg']}", param=param) from exc
+        if self.local_trainer and (reason := engine_unavailable(cfg.engine)):
+            raise InvalidRequest(f"config.engine: {reason}", param="config.engine")
         try:
             model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequest(str(exc), param="model") from exc
+        if body.replicas and body.backend not in REMOTE_BACKENDS:
+            raise InvalidRequest("replicas need backend vllm or sglang", param="replicas")
+        urls = list(dict.fromkeys(normalize_url(u, "replicas") for u in body.replicas))
         run_id = "run_" + uuid.uuid4().hex[:16]
         key = new_key()
         async with self.sessions.begin() as s:
@@ -57,6 +70,7 @@ class RunService:
             await s.flush()
             s.add(ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key)))
             s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
+            s.add_all(RunReplica(run_id=run_id, url=u) for u in urls)
         public = await self.public(run, base_url)
         return RunCreated(**public.model_dump(), api_key=key)
 
@@ -64,6 +78,11 @@ class RunService:
         serving = self.pool.loaded().get(run.id)
         async with self.sessions() as s:
             links, drift = await repo.call_stats(s, run.id)
+            urls = list(
+                (
+                    await s.execute(select(RunReplica.url).where(RunReplica.run_id == run.id))
+                ).scalars()
+            )
         return RunPublic(
             calls_by_link=links,
             template_drift=drift,
@@ -75,6 +94,7 @@ class RunService:
             base_url=base_url,
             current_version=run.current_version,
             served_version=serving.backend.version if serving else None,
+            replicas=public_replicas(urls, self.pool.replica_status(run.id)),
             config=run.config,
             counters=run.counters or {},
             created_at=run.created_at.isoformat(),

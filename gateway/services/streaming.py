@@ -6,6 +6,8 @@ ends, the completion is STORED, then the finish chunk (and the usage chunk,
 if asked for) is sent, then `[DONE]`. A client that disconnects mid-stream
 cancels generation at the backend's next step; the partial completion is
 stored with finish_reason "cancelled" (the trainer does not train on it).
+If the backend fails after tokens were sampled, the stream ends with an
+OpenAI-style error event (`{"error": {...}}`) and nothing is stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import anyio
 
+from gateway.errors import Unavailable
 from gateway.services.completions import ChatService, Prepared, finish_reason
 from inference.backend import BackendError, TokenStream
 from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
@@ -85,9 +88,14 @@ class ChatStream:
         self.prep = prep
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.stream: TokenStream = prep.serving.backend.start_stream(
-            GenerateRequest(prep.prompt_ids, prep.params)
-        )
+        try:
+            self.stream: TokenStream = prep.serving.backend.start_stream(
+                GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
+            )
+        except BackendError as exc:  # e.g. no healthy replica: before any byte is sent
+            raise Unavailable(
+                "the inference backend failed; retry the request", code="backend_unavailable"
+            ) from exc
         opts = prep.req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.stored = False
@@ -151,6 +159,14 @@ class ChatStream:
                 }
                 yield {**self._chunk({}), "choices": [], "usage": usage}
             logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
+        except BackendError as exc:
+            # The backend died after this stream had tokens (a replica set retries only
+            # before the first one): end with OpenAI's in-stream error event; nothing is stored.
+            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
+            yield Unavailable(
+                "the inference backend failed mid-stream; retry the request",
+                code="backend_unavailable",
+            ).body()
         finally:
             if not self.stored:
                 await keep_partial(self.stream, self._store, self.id)

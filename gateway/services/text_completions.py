@@ -101,7 +101,7 @@ class TextCompletionService:
         prep = await self.prepare(run, req, ref)
         try:
             result = await prep.serving.backend.generate(
-                GenerateRequest(prep.prompt_ids, prep.params)
+                GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
             )
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
@@ -164,9 +164,14 @@ class TextStream:
         self.req: CompletionRequest = prep.req  # type: ignore[assignment]
         self.id = new_id()
         self.created = int(time.time())
-        self.stream: TokenStream = prep.serving.backend.start_stream(
-            GenerateRequest(prep.prompt_ids, prep.params)
-        )
+        try:
+            self.stream: TokenStream = prep.serving.backend.start_stream(
+                GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
+            )
+        except BackendError as exc:  # e.g. no healthy replica: before any byte is sent
+            raise Unavailable(
+                "the inference backend failed; retry the request", code="backend_unavailable"
+            ) from exc
         opts = self.req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.stored = False
@@ -231,6 +236,12 @@ class TextStream:
                     prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
                 )
                 yield {**self._chunk(""), "choices": [], "usage": usage.model_dump()}
+        except BackendError as exc:  # after tokens were sampled: OpenAI's in-stream error event
+            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
+            yield Unavailable(
+                "the inference backend failed mid-stream; retry the request",
+                code="backend_unavailable",
+            ).body()
         finally:
             if not self.stored:
                 await keep_partial(self.stream, self._store, self.id)

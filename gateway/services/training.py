@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from celery import Celery
@@ -70,8 +70,14 @@ class TrainingScheduler:
         a slow but alive first attempt and the resend cannot both bump the version.
         """
         now = datetime.now(UTC)
+        # A look without the lock first: while a step is in flight (most passes, and every
+        # reward posted meanwhile) there is nothing to claim, and taking the write lock on
+        # each pass would starve the trainer's own commit of that step.
+        async with self.sessions() as s:
+            if await repo.step_busy(s, run_id, now - timedelta(seconds=self.step_timeout_s)):
+                return None
         async with self.sessions.begin() as s:
-            run = await s.get(Run, run_id)
+            run = await repo.lock_run_for_claim(s, run_id)  # one consistent view, see there
             if run is None or run.status != "active":
                 return None
             flight = await repo.step_in_flight(s, run_id)
@@ -99,9 +105,9 @@ class TrainingScheduler:
                 row = TrainStep(run_id=run_id, step=step, metrics={"attempts": 1})
                 s.add(row)
             elif row.status != "failed":
-                # Statements in this transaction may read different moments (SQLite's driver
-                # and READ COMMITTED both allow it): the run's version above was read before
-                # the trainer committed this very step. Nothing to claim; the next pass sees it.
+                # Cannot happen under the claim's lock (the step of the current version is
+                # either missing, failed or in flight); kept as a guard: never re-queue a row
+                # the trainer may own.
                 return None
             else:  # a failed attempt: retry it with a fresh batch, counting attempts per step
                 attempts = int((row.metrics or {}).get("attempts", 1))
@@ -149,6 +155,12 @@ class WeightSync:
     i.e. the one that sampled all of its tokens. Between the commit and the
     load, new completions are still sampled by N (at most one version behind;
     the staleness bound counts them like any other sample).
+
+    For vllm/sglang runs the backend is a `ReplicaSet`: its `load_weights`
+    rolls N+1 across the servers one at a time (the others keep serving), and
+    each server drains before it reloads (`inference/vllm_http.py`), so the
+    guarantee above holds per server; until the roll ends, completions from
+    different servers may carry N or N+1, each labelled with its own.
     """
 
     def __init__(

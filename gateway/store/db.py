@@ -37,7 +37,12 @@ def make_sync_engine(url: str) -> Engine:
 
 
 def make_async_engine(url: str) -> AsyncEngine:
-    engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=True)
+    kw = {}
+    if make_url(url).get_backend_name() == "postgresql":
+        # A gateway request holds a connection a few times (key, placement, group commit);
+        # past the pool, each checkout would open (and PostgreSQL fork) a new connection.
+        kw = {"pool_size": 20, "max_overflow": 20}
+    engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=True, **kw)
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     return engine

@@ -46,6 +46,16 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class RunReplica(Base):
+    """One inference server (base URL) that serves a run; a run has one or more."""
+
+    __tablename__ = "run_replicas"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    url: Mapped[str] = mapped_column(String(500), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 

@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.store.models import (
@@ -47,6 +47,42 @@ async def get_or_create_episode(
 async def checkpoint_of(session: AsyncSession, run_id: str, version: int) -> str | None:
     pv = await session.get(PolicyVersion, (run_id, version))
     return pv.checkpoint_path if pv else None
+
+
+async def lock_run_for_claim(session: AsyncSession, run_id: str) -> Run | None:
+    """Open the claim's transaction holding the lock the trainer's commit needs, then read the run.
+
+    Everything the claim reads afterwards (version, step rows, episodes) is
+    then one consistent state: the trainer's commit of step N (version bump,
+    step done, episodes trained, in one transaction) lands entirely before
+    the claim or entirely after it, never between two of its reads.
+
+    - PostgreSQL: `SELECT ... FOR UPDATE` on the run row. The trainer's
+      commits start on that row too (`UPDATE runs ...` for a finished step,
+      `SELECT ... FOR UPDATE` for a failed one), so they wait for the claim;
+      under READ COMMITTED the claim's later statements then see no half of them.
+    - SQLite: `BEGIN IMMEDIATE` takes the database's write lock before the
+      first read (the driver would otherwise start the transaction only at
+      the first write, leaving the reads unsnapshotted); the trainer's write
+      waits for it (busy_timeout, see `gateway.store.db`).
+
+    Call it first in a fresh `sessions.begin()` block.
+    """
+    if session.get_bind().dialect.name == "sqlite":
+        await session.execute(text("BEGIN IMMEDIATE"))
+    stmt = select(Run).where(Run.id == run_id).with_for_update()
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def step_busy(session: AsyncSession, run_id: str, since: datetime) -> bool:
+    """Whether a step of the run is queued or running and was (re)sent after `since`.
+
+    A lock-free pre-check for the claim; the claim itself decides under its lock.
+    """
+    stmt = select(TrainStep.enqueued_at, TrainStep.created_at).where(
+        TrainStep.run_id == run_id, TrainStep.status.in_(("queued", "running"))
+    )
+    return any(as_utc(sent or made) > since for sent, made in (await session.execute(stmt)).all())
 
 
 async def step_in_flight(session: AsyncSession, run_id: str) -> TrainStep | None:

@@ -26,6 +26,7 @@ APP_TABLES = {
     "rewards",
     "train_steps",
     "responses",
+    "run_replicas",
 }
 
 
