@@ -67,7 +67,9 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             replica_config=settings.replica_config(),
         )
         celery = make_celery(settings.queue())
-        scheduler = TrainingScheduler(sessions, celery, settings.step_timeout_s)
+        scheduler = TrainingScheduler(
+            sessions, celery, settings.step_timeout_s, settings.full_scan_s
+        )
         sync = WeightSync(sessions, pool, scheduler, settings.sync_interval_s)
         app.state.settings = settings
         app.state.admin_key = settings.resolved_admin_key()
@@ -100,7 +102,14 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             await pool.close()
             await engine.dispose()
 
-    app = FastAPI(title="rlgate", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own OpenTelemetry hooks are off: rlgate exports Prometheus metrics itself, and
+    # the check for a configured tracer costs an environment read on every request.
+    app = FastAPI(
+        title="rlgate",
+        version="0.1.0",
+        lifespan=lifespan,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     install_error_handlers(app)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -133,11 +133,29 @@ async def _load(url: str, body: dict, headers: dict, concurrency: int, seconds: 
     }
 
 
+def _python_load(url: str, body: dict, headers: dict, concurrency: int, seconds: float) -> dict:
+    return asyncio.run(_load(url, body, headers, concurrency, seconds))
+
+
+def _wrk_load(url: str, body: dict, headers: dict, concurrency: int, seconds: float) -> dict:
+    from rlgate.bench_wrk import wrk_load
+
+    asyncio.run(_load(url, body, headers, 1, 0.0))  # warm: the python loader's first request
+    return wrk_load(url, body, headers, concurrency, seconds)
+
+
 def _measure(
-    url: str, body: dict, headers: dict, latency_c: int, levels: list[int], seconds: float
+    url: str,
+    body: dict,
+    headers: dict,
+    latency_c: int,
+    levels: list[int],
+    seconds: float,
+    loader: str = "python",
 ) -> dict:
-    latency = asyncio.run(_load(url, body, headers, latency_c, seconds))
-    loads = [asyncio.run(_load(url, body, headers, c, seconds)) for c in levels]
+    load = _wrk_load if loader == "wrk" else _python_load
+    latency = load(url, body, headers, latency_c, seconds)
+    loads = [load(url, body, headers, c, seconds) for c in levels]
     best = max(loads, key=lambda m: m["rps"])
     return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}
 
@@ -168,8 +186,15 @@ def bench_gateway(
     latency_concurrency: int = 4,
     levels: tuple[int, ...] = (32, 128),
     skip_litellm: bool = False,
+    loader: str = "auto",
 ) -> dict[str, Any]:
     import httpx
+
+    from rlgate.bench_wrk import available
+
+    if loader == "auto":
+        loader = "wrk" if available() else "python"
+    print(f"load generator: {loader}", file=sys.stderr)
 
     from inference.models import resolve_model
     from rlgate.bench_capture import fresh_database
@@ -234,7 +259,7 @@ def bench_gateway(
             mode = "stream" if stream else "plain"
             for name, (url, extra, headers) in targets.items():
                 req = body | extra | {"stream": stream}
-                m = _measure(url, req, headers, latency_concurrency, list(levels), seconds)
+                m = _measure(url, req, headers, latency_concurrency, list(levels), seconds, loader)
                 results.setdefault(mode, {})[name] = m
                 print(
                     f"{mode:6} {name:8} p50 {m['latency']['p50_ms']:8.2f} ms  "
@@ -247,7 +272,9 @@ def bench_gateway(
             for m in (mode["rlgate"]["latency"], *mode["rlgate"]["throughput"])
         )
         stored = _count_completions(db, run["run_id"])
-    return _summary(results, answered, stored, latency_ms, output_tokens, skip_litellm)
+    out = _summary(results, answered, stored, latency_ms, output_tokens, skip_litellm)
+    out["load_generator"] = loader
+    return out
 
 
 def _count_completions(url: str, run_id: str) -> int:
@@ -298,6 +325,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--latency-concurrency", type=int, default=4)
     p.add_argument("--levels", default="32,128", help="closed-loop concurrencies for max req/s")
     p.add_argument("--skip-litellm", action="store_true", help="stub and rlgate only")
+    p.add_argument(
+        "--load-generator",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="auto: wrk when it is on PATH (apt-get install wrk), else asyncio + httpx",
+    )
     return p
 
 
@@ -311,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         args.latency_concurrency,
         tuple(int(c) for c in args.levels.split(",")),
         args.skip_litellm,
+        args.load_generator,
     )
     for mode in ("plain", "stream"):
         print(f"{mode}: " + ", ".join(f"{k} {v}" for k, v in out[mode].items()))

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     vllm_python: str = Field("", description="python of vLLM's own venv; empty: the cached one")
     sglang_python: str = Field("", description="python of SGLang's own environment")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
+    full_scan_s: float = Field(
+        2.0,
+        gt=0,
+        description="while nothing changed, re-read a run's open episodes for expiry and "
+        "group timeouts at most this often",
+    )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="resend a train step queued or running longer than this"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -28,6 +29,13 @@ class TrainingScheduler:
 
     The step row (run, step) is the lock: its primary key makes a second
     enqueue of the same step fail, and its status says whether one is in flight.
+
+    A full pass (`repo.select_batch`) reads every open episode of the run under
+    the claim's lock. A pass that found nothing to train records the run's
+    signature (status, version, rewarded episodes); while that is unchanged,
+    later passes skip the full read for up to `full_scan_s`. New rewards, a new
+    version or a resumed run change it and are acted on at the next pass; what
+    only time changes (episode expiry, group timeouts) waits at most `full_scan_s`.
     """
 
     def __init__(
@@ -35,11 +43,15 @@ class TrainingScheduler:
         sessions: async_sessionmaker[AsyncSession],
         celery: Celery,
         step_timeout_s: float = 1800.0,
+        full_scan_s: float = 2.0,
     ) -> None:
         self.sessions = sessions
         self.celery = celery
         self.step_timeout_s = step_timeout_s
+        self.full_scan_s = full_scan_s
         self._locks: dict[str, asyncio.Lock] = {}
+        self._idle: dict[str, tuple[tuple, float]] = {}  # run -> (signature, when) of a dry pass
+        self.full_passes = 0  # a figure for tests: passes that read the whole batch
 
     async def maybe_schedule(self, run_id: str) -> int | None:
         lock = self._locks.setdefault(run_id, asyncio.Lock())
@@ -76,6 +88,11 @@ class TrainingScheduler:
         async with self.sessions() as s:
             if await repo.step_busy(s, run_id, now - timedelta(seconds=self.step_timeout_s)):
                 return None
+            signature = await repo.claim_signature(s, run_id)
+        idle = self._idle.get(run_id)
+        if idle and idle[0] == signature and time.monotonic() - idle[1] < self.full_scan_s:
+            return None  # nothing changed since a pass that found nothing
+        self._idle.pop(run_id, None)
         async with self.sessions.begin() as s:
             run = await repo.lock_run_for_claim(s, run_id)  # one consistent view, see there
             if run is None or run.status != "active":
@@ -95,8 +112,10 @@ class TrainingScheduler:
                 )
                 return flight.step, True
             cfg = RunConfig.model_validate(run.config)
+            self.full_passes += 1
             batch = await repo.select_batch(s, run, cfg)
             if not batch:
+                self._idle[run_id] = (signature, time.monotonic())
                 return None
             step = run.current_version
             n_groups = len({e.group_id for e in batch})

@@ -85,6 +85,24 @@ async def step_busy(session: AsyncSession, run_id: str, since: datetime) -> bool
     return any(as_utc(sent or made) > since for sent, made in (await session.execute(stmt)).all())
 
 
+async def claim_signature(session: AsyncSession, run_id: str) -> tuple:
+    """What a claim's outcome depends on, besides the clock: cheap to read (two indexed queries).
+
+    (run status, current version, rewarded episodes waiting, their latest reward time).
+    """
+    run = (
+        await session.execute(select(Run.status, Run.current_version).where(Run.id == run_id))
+    ).one_or_none()
+    waiting = (
+        await session.execute(
+            select(func.count(), func.max(Episode.rewarded_at)).where(
+                Episode.run_id == run_id, Episode.status == "rewarded"
+            )
+        )
+    ).one()
+    return (tuple(run) if run else None, tuple(waiting))
+
+
 async def step_in_flight(session: AsyncSession, run_id: str) -> TrainStep | None:
     stmt = select(TrainStep).where(
         TrainStep.run_id == run_id, TrainStep.status.in_(("queued", "running"))
