@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from gateway.auth_cache import InvalidateOnAdminWrite, RunKeyCache
 from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware
@@ -112,6 +113,8 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     )
     install_error_handlers(app)
 
+    app.state.run_keys = RunKeyCache(settings.auth_cache_ttl_s)
+    app.add_middleware(InvalidateOnAdminWrite, cache=app.state.run_keys)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
     app.state.metrics = GatewayMetrics()  # this app's own Prometheus registry

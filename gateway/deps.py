@@ -23,12 +23,20 @@ def _bearer(request: Request) -> str:
 
 
 async def current_run(request: Request) -> Run:
-    """The run whose agent key the caller presented (revoked keys do not count)."""
-    key = _bearer(request)
-    async with request.app.state.sessions() as s:
-        run = await repo.run_for_key_hash(s, hash_key(key))
+    """The run whose agent key the caller presented (revoked keys do not count).
+
+    Looked up through the app's `RunKeyCache` (see there for when a change is seen).
+    """
+    key_hash = hash_key(_bearer(request))
+    cache = request.app.state.run_keys
+    run = cache.get(key_hash)
     if run is None:
-        raise AuthenticationFailed("invalid API key", code="invalid_api_key")
+        generation = cache.generation
+        async with request.app.state.sessions() as s:
+            run = await repo.run_for_key_hash(s, key_hash)
+        if run is None:
+            raise AuthenticationFailed("invalid API key", code="invalid_api_key")
+        cache.put(key_hash, run, generation)
     return run
 
 

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     vllm_python: str = Field("", description="python of vLLM's own venv; empty: the cached one")
     sglang_python: str = Field("", description="python of SGLang's own environment")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
+    auth_cache_ttl_s: float = Field(
+        1.0,
+        ge=0,
+        description="cache agent key -> run lookups this long; writes through this gateway "
+        "invalidate at once, others are seen within it; 0: off",
+    )
     full_scan_s: float = Field(
         2.0,
         gt=0,

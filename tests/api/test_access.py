@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
+from datetime import UTC, datetime
+
 import httpx
 import openai
 import pytest
@@ -89,6 +93,24 @@ def test_revoke_and_rotate(gateway_server) -> None:
     # keys are stored hashed: the plaintext is nowhere in the store
     stored = gateway_server.query("SELECT key_hash FROM api_keys")
     assert all(rotated["api_key"] not in row[0] for row in stored)
+
+
+def test_a_key_revoked_by_another_process_stops_within_the_cache_ttl(gateway_server) -> None:
+    """Another gateway process (here: a write straight to the store) revokes the key; this
+    gateway, which cached the key's run at the first call, refuses it once the TTL (1 s) passed.
+    """
+    run = gateway_server.create_run(name="elsewhere")
+    agent = _http(gateway_server, run["api_key"])
+    body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
+    assert agent.post("/v1/chat/completions", json=body).status_code == 200  # cached now
+    with sqlite3.connect(gateway_server.db_path) as conn:
+        conn.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE run_id = ?",
+            (datetime.now(UTC).isoformat(), run["run_id"]),
+        )
+    time.sleep(1.5)
+    r = agent.post("/v1/chat/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_pause_resume_stop(gateway_server) -> None:

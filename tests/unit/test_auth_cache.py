@@ -1,0 +1,43 @@
+"""RunKeyCache: what is cached, for how long, and that a racing read cannot undo an invalidation."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.auth_cache import RunKeyCache
+from gateway.store.models import Run
+
+
+def _run(name: str = "r") -> Run:
+    return Run(id="run_" + name, name=name, model="tiny", model_path="/x", config={})
+
+
+def test_hit_within_ttl_and_miss_after() -> None:
+    cache = RunKeyCache(ttl_s=0.2)
+    run = _run()
+    cache.put("h", run, cache.generation)
+    assert cache.get("h") is run
+    time.sleep(0.25)
+    assert cache.get("h") is None
+
+
+def test_a_read_that_began_before_an_invalidation_is_not_cached() -> None:
+    cache = RunKeyCache(ttl_s=10)
+    generation = cache.generation  # a lookup starts ...
+    cache.invalidate()  # ... an admin write lands meanwhile ...
+    cache.put("h", _run(), generation)  # ... the lookup's (old) answer is dropped
+    assert cache.get("h") is None
+    cache.put("h", _run(), cache.generation)
+    assert cache.get("h") is not None
+    cache.invalidate()
+    assert cache.get("h") is None
+
+
+def test_ttl_zero_caches_nothing_and_size_is_bounded() -> None:
+    off = RunKeyCache(ttl_s=0)
+    off.put("h", _run(), off.generation)
+    assert off.get("h") is None
+    small = RunKeyCache(ttl_s=10, max_entries=2)
+    for i in range(3):
+        small.put(f"h{i}", _run(str(i)), small.generation)
+    assert small.get("h2") is not None and len(small._entries) <= 2
