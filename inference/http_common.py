@@ -58,6 +58,13 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     of the gateway's CPU (py-spy, `rlgate bench gateway`). `shards` pools of
     `max_connections / shards` connections each make every walk that much
     shorter; the total connection limit stays `max_connections`.
+
+    A request whose connection breaks before any response arrives (the server
+    closed a kept-alive connection just as the request went out) is sent once
+    more, through the next pool. Nothing of it was answered, and the gateway
+    stores only the answer it gets, so a resend cannot store anything twice.
+    A refused connection is not resent: that server is down, and the replica
+    set decides what happens next.
     """
 
     def __init__(self, max_connections: int, shards: int) -> None:
@@ -67,7 +74,11 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         self._turn = itertools.cycle(self._pools)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await next(self._turn).handle_async_request(request)
+        try:
+            return await next(self._turn).handle_async_request(request)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            logger.info("resending %s %s: %r", request.method, request.url.path, exc)
+            return await next(self._turn).handle_async_request(request)
 
     async def aclose(self) -> None:
         for pool in self._pools:

@@ -20,6 +20,12 @@ def _demo(args: argparse.Namespace) -> int:
     )
     if args.steps is not None:
         cfg.steps = args.steps
+    if args.group_size is not None:
+        cfg.group_size = args.group_size
+    if args.groups_per_step is not None:
+        cfg.groups_per_step = args.groups_per_step
+    if args.max_waves is not None:
+        cfg.max_waves_per_step = args.max_waves
     return run_demo(cfg, Settings())
 
 
@@ -130,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="rlgate-demo", help="output directory")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--port", type=int, default=8766, help="loopback port for the gateway")
+    demo.add_argument("--group-size", type=int, default=None, help="agents per GRPO group (6)")
+    demo.add_argument(
+        "--groups-per-step",
+        type=int,
+        default=None,
+        help="groups with differing rewards a step needs (6)",
+    )
+    demo.add_argument(
+        "--max-waves", type=int, default=None, help="waves per step before calling it converged (4)"
+    )
     demo.set_defaults(func=_demo)
 
     up = sub.add_parser("up", help="gateway + worker + local backend in the foreground")

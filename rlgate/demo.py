@@ -141,6 +141,7 @@ async def _loop(
         run_cfg = {
             "group_size": cfg.group_size,
             "groups_per_step": cfg.groups_per_step,
+            "micro_batch_size": min(8, cfg.group_size * cfg.groups_per_step),
             "max_staleness": 0,
             "learning_rate": cfg.learning_rate,
             "seed": cfg.seed,

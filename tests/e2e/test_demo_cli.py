@@ -30,6 +30,14 @@ def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
             str(out),
             "--port",
             "0",
+            # The random tiny model names the sum in a few percent of replies, so about one
+            # group of 6 in 5 has differing rewards. One such group per step, looked for in
+            # up to 24 waves of one group, misses with odds of about 0.78**24 (0.3%); six
+            # in 24 groups (the defaults) missed about half the time.
+            "--groups-per-step",
+            "1",
+            "--max-waves",
+            "24",
         ],
         env=env,
         capture_output=True,
