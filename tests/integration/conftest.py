@@ -79,9 +79,11 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory) -> Path:
-    """SmolLM2-135M converted once per session (about 20 s), for tests that need real steps."""
+    """SmolLM2-135M converted once per session (about 20 s), with the hub switched off."""
     from inference.models import resolve_model
 
     cache = tmp_path_factory.mktemp("smollm2")
-    resolve_model("smollm2", cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")  # prove nothing is fetched
+        resolve_model("smollm2", cache)
     return cache

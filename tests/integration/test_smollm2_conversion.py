@@ -14,11 +14,12 @@ from inference.models import resolve_model
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def test_smollm2_converts_untied_and_answers(tmp_path, monkeypatch) -> None:
+def test_smollm2_converts_untied_and_answers(smollm2_cache, monkeypatch) -> None:
+    # The session's conversion (the `smollm2_cache` fixture) ran with HF_HUB_OFFLINE=1 too.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # prove nothing is fetched
     from transformers import AutoModelForCausalLM
 
-    model_dir = resolve_model("smollm2", tmp_path)
+    model_dir = resolve_model("smollm2", smollm2_cache)
     config = json.loads((model_dir / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     assert "quantization_config" not in config
@@ -33,4 +34,4 @@ def test_smollm2_converts_untied_and_answers(tmp_path, monkeypatch) -> None:
     answer = template.decode(out[0, len(ids) :].tolist())
     assert "Paris" in answer, answer
     # cached: a second resolve reuses the directory instead of converting again
-    assert resolve_model("smollm2", tmp_path) == model_dir
+    assert resolve_model("smollm2", smollm2_cache) == model_dir
