@@ -39,6 +39,19 @@ def learning_rate(cfg: RunConfig, version: int) -> float:
     return cfg.learning_rate * min(1.0, (version + 1) / cfg.lr_warmup_steps)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, cfg: RunConfig, version: int) -> float:
+    """Step at the schedule's learning rate for `version`; returns that rate.
+
+    The rate is set on every param group first: a resumed optimizer state carries the
+    rate of the step it was saved at.
+    """
+    lr = learning_rate(cfg, version)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return lr
+
+
 def advantage_stats(samples: list[Sample]) -> dict[str, float]:
     values = [a for s in samples for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
     if not values:
@@ -137,10 +150,7 @@ class LocalEngine:
                 sums[k] += m[k] * weight
             ratio_max = max(ratio_max, m["ratio_max"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        lr = learning_rate(cfg, self.version)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = optimizer_step(self.optimizer, cfg, self.version)
         self.version += 1
         seconds = time.perf_counter() - t0
         return {

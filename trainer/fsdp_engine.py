@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.batch import Batch, Sample, collate
 from trainer.config import ParallelConfig, RunConfig
-from trainer.engine import learning_rate
+from trainer.engine import learning_rate, optimizer_step
 from trainer.fsdp_checkpoint import load_optimizer_state, save_optimizer_state
 from trainer.hf_io import write_untied_hf
 from trainer.losses.policy import policy_loss
@@ -271,10 +271,7 @@ class FsdpEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        lr = learning_rate(cfg, self.version)
-        for group in self.optimizer.param_groups:  # a resumed state carries the previous lr
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = optimizer_step(self.optimizer, cfg, self.version)
         self.version += 1
         summed = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
         (ratio_max,) = self._all_reduce([ratio_max], op=dist.ReduceOp.MAX)

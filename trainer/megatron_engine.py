@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from trainer.batch import Batch, Sample, collate
 from trainer.config import ParallelConfig, RunConfig
-from trainer.engine import advantage_stats, learning_rate
+from trainer.engine import advantage_stats, learning_rate, optimizer_step
 from trainer.engine_check import EngineUnavailable, engine_unavailable
 from trainer.losses.policy import policy_loss
 from trainer.packing import padded_groups, trainable_batch
@@ -255,10 +255,7 @@ class MegatronEngine:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        lr = learning_rate(cfg, self.version)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = optimizer_step(self.optimizer, cfg, self.version)
         self.version += 1
         summed = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
         (ratio_max,) = self._all_reduce([ratio_max], op=dist.ReduceOp.MAX)
