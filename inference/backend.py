@@ -37,7 +37,16 @@ class TokenStream(Protocol):
 class Backend(Protocol):
     """Token ids in, token ids and logprobs out; weights swappable in place.
 
-    Implementations: `inference.local.LocalBackend` (transformers, in-process).
+    Implementations (each kind is registered in `inference.registry`):
+
+    * `inference.local.LocalBackend`: transformers, in the gateway's process (kind "local");
+    * `inference.vllm_http.VLLMBackend`: one vLLM server over HTTP (kind "vllm");
+    * `inference.sglang_http.SGLangBackend`: one SGLang server over HTTP (kind "sglang");
+    * `inference.replicas.ReplicaSet`: several servers of one remote kind behind one
+      backend (routing, failover, rolling swap); the gateway wraps every remote run in one.
+
+    The two HTTP backends share `inference.http_backend.HttpBackend` (connection
+    pool, admission gate, drain, the swap order and its drain-timeout policy).
     """
 
     @property

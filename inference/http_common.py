@@ -1,4 +1,4 @@
-"""HTTP plumbing shared by the vLLM and SGLang backends: client, SSE parsing, error mapping.
+"""HTTP plumbing of the HTTP backends (`inference.http_backend`): client, SSE, error mapping.
 
 Error tree, as the gateway sees it (`inference.backend`)::
 
@@ -85,12 +85,14 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             await pool.aclose()
 
 
-def make_client(cfg: HttpBackendConfig) -> httpx.AsyncClient:
-    """A pooled async client for one server; the caller closes it."""
+def make_client(
+    cfg: HttpBackendConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """A pooled async client for one server; the caller closes it. Tests inject `transport`."""
     return httpx.AsyncClient(
         base_url=cfg.base_url.rstrip("/"),
         timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
-        transport=ShardedTransport(cfg.max_connections, cfg.pool_shards),
+        transport=transport or ShardedTransport(cfg.max_connections, cfg.pool_shards),
     )
 
 
@@ -121,6 +123,7 @@ async def check_response(resp: httpx.Response, what: str) -> None:
 
 
 def json_body(resp: httpx.Response, what: str) -> Any:
+    """The answer's JSON; a body that is not JSON is a `BackendError` naming `what`."""
     try:
         return resp.json()
     except ValueError as exc:

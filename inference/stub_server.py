@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 logger = logging.getLogger(__name__)
 
+FLAVORS = ("vllm", "sglang")  # the server APIs this stand-in speaks
+
 
 @dataclass
 class StubConfig:
     """What the stand-in serves and how slowly."""
 
-    flavor: str = "vllm"  # "vllm" or "sglang": which API to expose
+    flavor: str = "vllm"  # one of FLAVORS: which API to expose
     model: str = "stub-model"  # served model name (vLLM's /v1/models)
     latency_ms: float = 0.0  # wait before the first token of every request
     token_latency_ms: float = 0.0  # wait between two tokens
@@ -60,8 +62,8 @@ class StubConfig:
     incremental_streaming_output: bool = False  # sglang: stream only new tokens per event
 
     def __post_init__(self) -> None:
-        if self.flavor not in ("vllm", "sglang"):
-            raise ValueError("flavor must be 'vllm' or 'sglang'")
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}")
         if not 0 <= self.token_base < self.vocab_size:
             raise ValueError("token_base must be in [0, vocab_size)")
 
@@ -320,8 +322,21 @@ def create_app(cfg: StubConfig) -> FastAPI:
     state = StubState(cfg)
     app.state.stub = state
     add_common_routes(app, state)
-    (add_vllm_routes if cfg.flavor == "vllm" else add_sglang_routes)(app, state)
+    routes = {"vllm": add_vllm_routes, "sglang": add_sglang_routes}
+    routes[cfg.flavor](app, state)
     return app
+
+
+def flavor_of(name: str) -> str:
+    """The API to speak for `name`: a flavor, or a registered backend kind's `stub_flavor`."""
+    if name in FLAVORS:
+        return name
+    from inference import registry
+
+    flavor = registry.get(name).stub_flavor
+    if flavor is None:
+        raise ValueError(f"no stand-in server speaks the API of backend {name!r}")
+    return flavor
 
 
 def launch(
@@ -334,12 +349,15 @@ def launch(
     extra: Sequence[str] = (),
     log: Path | None = None,
 ) -> subprocess.Popen:
-    """Start the stand-in as a child process (wait for it with `rlgate.stack.wait_healthy`)."""
+    """Start the stand-in as a child process (wait for it with `rlgate.stack.wait_healthy`).
+
+    `flavor` is an API flavor or a registered backend kind that names one.
+    """
     cmd = [
         sys.executable,
         "-m",
         "inference.stub_server",
-        f"--flavor={flavor}",
+        f"--flavor={flavor_of(flavor)}",
         f"--host={host}",
         f"--port={port}",
         f"--latency-ms={latency_ms}",
@@ -356,7 +374,7 @@ def launch(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--flavor", choices=FLAVORS, default="vllm")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--model", default="stub-model")
@@ -370,17 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
 
-    cfg = StubConfig(
-        flavor=args.flavor,
-        model=args.model,
-        latency_ms=args.latency_ms,
-        token_latency_ms=args.token_latency_ms,
-        output_tokens=args.output_tokens,
-        vocab_size=args.vocab_size,
-        token_base=args.token_base,
-        version=args.version,
-        incremental_streaming_output=args.incremental_streaming_output,
-    )
+    # every option but host and port is a StubConfig field of the same name
+    options = vars(args)
+    cfg = StubConfig(**{f.name: options[f.name] for f in fields(StubConfig) if f.name in options})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
 

@@ -1,4 +1,4 @@
-"""`rlgate inference serve|install-vllm`: run a vLLM/SGLang server for rlgate, register it."""
+"""`rlgate inference serve|install-vllm`: run an inference server for rlgate, register it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 
+from inference import registry
 from inference.launch import (
     ServerConfig,
     default_vllm_venv,
     install_vllm,
     start_server,
     stop_server,
-    venv_python,
     wait_ready,
 )
 from rlgate.settings import DEV_ADMIN_KEY, Settings
@@ -31,16 +31,17 @@ class _Stop(Exception):
 
 
 def server_python(kind: str, explicit: str | None, settings: Settings) -> Path:
-    """--python, else RLGATE_VLLM_PYTHON / RLGATE_SGLANG_PYTHON, else the cached vLLM venv."""
+    """--python, else the kind's setting (RLGATE_VLLM_PYTHON, ...), else its default python."""
     if explicit:
         return Path(explicit)
-    if kind == "vllm":
-        return (
-            Path(settings.vllm_python) if settings.vllm_python else venv_python(default_vllm_venv())
-        )
-    if not settings.sglang_python:
-        raise ValueError("SGLang's python: pass --python or set RLGATE_SGLANG_PYTHON")
-    return Path(settings.sglang_python)
+    spec = registry.get(kind)
+    configured = getattr(settings, spec.python_setting, "") if spec.python_setting else ""
+    if configured:
+        return Path(configured)
+    if spec.default_python is not None:
+        return Path(registry.resolve(spec.default_python)())
+    where = f" or set RLGATE_{spec.python_setting.upper()}" if spec.python_setting else ""
+    raise ValueError(f"{spec.title}'s python: pass --python{where}")
 
 
 @contextlib.contextmanager
@@ -107,11 +108,11 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def add_arguments(sub: argparse._SubParsersAction) -> None:
-    inf = sub.add_parser("inference", help="run a vLLM or SGLang server for a run")
+    inf = sub.add_parser("inference", help="run an inference server (vLLM, SGLang) for a run")
     inf_sub = inf.add_subparsers(dest="inference_command", required=True)
 
     serve = inf_sub.add_parser("serve", help="start a server, wait for health, register it")
-    serve.add_argument("--backend", required=True, choices=["vllm", "sglang"])
+    serve.add_argument("--backend", required=True, choices=registry.servable_names())
     serve.add_argument("--model", required=True, help="tiny, smollm2 or a local HF directory")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8001)

@@ -100,13 +100,8 @@ class GatewayServer:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def launch_gateway(
-    data_dir: Path, model_cache: Path, extra_env: dict[str, str] | None = None, **overrides: Any
-) -> GatewayServer:
-    """Start a real gateway on a free loopback port and wait until /health answers 200.
-
-    `overrides` are Settings fields; `extra_env` is added to the child's environment only.
-    """
+def gateway_settings(data_dir: Path, model_cache: Path, **overrides: Any) -> Settings:
+    """A test gateway's settings: SQLite in `data_dir`, embedded broker, ADMIN_KEY."""
     fields: dict[str, Any] = {
         "data_dir": data_dir,
         "database_url": "",  # explicit, so a stray RLGATE_* variable cannot redirect the test
@@ -117,7 +112,17 @@ def launch_gateway(
         "dev_mode": False,
         "model_cache_dir": model_cache,
     }
-    settings = Settings(**(fields | overrides))
+    return Settings(**(fields | overrides))
+
+
+def launch_gateway(
+    data_dir: Path, model_cache: Path, extra_env: dict[str, str] | None = None, **overrides: Any
+) -> GatewayServer:
+    """Start a real gateway on a free loopback port and wait until /health answers 200.
+
+    `overrides` are Settings fields; `extra_env` is added to the child's environment only.
+    """
+    settings = gateway_settings(data_dir, model_cache, **overrides)
     data_dir.mkdir(parents=True, exist_ok=True)
     host, port = "127.0.0.1", free_port()
     log = data_dir / "gateway.log"

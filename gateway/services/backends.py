@@ -1,8 +1,10 @@
 """One inference backend and chat template per run, loaded lazily off the event loop.
 
-`local` runs get an in-process `LocalBackend`. `vllm` and `sglang` runs get one
-HTTP backend per registered replica URL (table `run_replicas`), wrapped in a
-`ReplicaSet` (routing, health, failover, rolling hot swap: inference/replicas.py).
+The run's backend kind (`inference.registry`) decides: an in-process kind
+(`local`: `LocalBackend`) is loaded from the weights directory; a remote kind
+(`vllm`, `sglang`, ...) gets one backend per registered replica URL (table
+`run_replicas`), wrapped in a `ReplicaSet` (routing, health, failover, rolling
+hot swap: inference/replicas.py).
 """
 
 from __future__ import annotations
@@ -13,18 +15,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from inference import registry
 from inference.backend import Backend
 from inference.chat_template import ChatTemplate
-from inference.http_common import HttpBackendConfig
-from inference.local import LocalBackend
 from inference.replicas import ReplicaConfig, ReplicaSet
 
 logger = logging.getLogger(__name__)
-
-REMOTE_BACKENDS = ("vllm", "sglang")
 
 
 @dataclass
@@ -32,20 +30,6 @@ class RunServing:
     backend: Backend
     template: ChatTemplate
     max_context: int
-
-
-def http_backend(kind: str, url: str, version: int = 0) -> Backend:
-    """The HTTP backend of one server (its weights are assumed to be `version`)."""
-    cfg = HttpBackendConfig(base_url=url)
-    if kind == "vllm":
-        from inference.vllm_http import VLLMBackend
-
-        return VLLMBackend(cfg, version=version)
-    if kind == "sglang":
-        from inference.sglang_http import SGLangBackend
-
-        return SGLangBackend(cfg, version=version)
-    raise ValueError(f"backend {kind!r} is not available in this gateway")
 
 
 def _model_context(model_dir: Path) -> int:
@@ -63,7 +47,7 @@ class BackendPool:
         replica_config: ReplicaConfig | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
-        self.sessions = sessions  # needed for vllm/sglang runs (their replica URLs)
+        self.sessions = sessions  # needed for remote runs (their replica URLs)
         self.replica_config = replica_config or ReplicaConfig()
         self._serving: dict[str, RunServing] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -79,7 +63,7 @@ class BackendPool:
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             if run_id not in self._serving:
-                if backend in REMOTE_BACKENDS:
+                if registry.get(backend).remote:
                     serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
                 else:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
@@ -87,31 +71,24 @@ class BackendPool:
         return self._serving[run_id]
 
     def _load(self, model_dir: Path, backend: str, version: int, ckpt: Path | None) -> RunServing:
-        if backend != "local":
-            raise ValueError(f"backend {backend!r} is not available in this gateway")
         # Serve the newest checkpoint directly, so a restarted gateway resumes at its version.
         source = ckpt if ckpt is not None else model_dir
         if not source.is_dir():
             raise OSError(f"checkpoint {source} of version {version} is missing")
         template = ChatTemplate(model_dir)
-        be = LocalBackend(
-            source, version=version, max_batch_size=self.max_batch_size, decode=template.decode
+        be = registry.get(backend).load_local(
+            source, version, max_batch_size=self.max_batch_size, decode=template.decode
         )
         logger.info("loaded %s (version %d) for serving", source, version)
         return RunServing(be, template, be.max_context)
 
     async def replica_urls(self, run_id: str) -> list[str]:
-        from gateway.store.models import RunReplica
+        from gateway.store.replicas import replica_urls
 
         if self.sessions is None:
             return []
         async with self.sessions() as s:
-            rows = await s.execute(
-                select(RunReplica.url)
-                .where(RunReplica.run_id == run_id)
-                .order_by(RunReplica.created_at)
-            )
-            return list(rows.scalars())
+            return await replica_urls(s, run_id)
 
     async def _load_remote(
         self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
@@ -129,7 +106,8 @@ class BackendPool:
             )
         template = await asyncio.to_thread(ChatTemplate, model_dir)
         max_context = await asyncio.to_thread(_model_context, model_dir)
-        members = [(url, http_backend(backend, url), url) for url in urls]
+        kind = registry.get(backend)
+        members = [(url, kind.connect_to(url), url) for url in urls]
         replicas = ReplicaSet(members, self.replica_config)
         try:
             for _, be, _ in members:
@@ -153,7 +131,7 @@ class BackendPool:
         """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
         serving = self._serving.get(run_id)
         if serving is not None and isinstance(serving.backend, ReplicaSet):
-            await serving.backend.add_replica(url, http_backend(kind, url), url)
+            await serving.backend.add_replica(url, registry.get(kind).connect_to(url), url)
 
     async def remove_replica(self, run_id: str, url: str) -> None:
         """Drain and drop a server from a loaded run; the last one unloads the run."""

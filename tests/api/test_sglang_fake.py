@@ -48,6 +48,11 @@ def fake_sglang_incremental(tmp_path: Path) -> Iterator[str]:
     yield from serve_fake(tmp_path, "--incremental-streaming-output")
 
 
+@pytest.fixture
+def fake_sglang_slow_tokens(tmp_path: Path) -> Iterator[str]:
+    yield from serve_fake(tmp_path, "--token-latency-ms=150")
+
+
 def serve_fake(tmp_path: Path, *extra: str) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "fake-sglang.log"
@@ -164,3 +169,28 @@ async def test_replica_set_fails_over_when_a_fake_is_killed(tmp_path: Path) -> N
     finally:
         for proc in procs:
             stop(proc)
+
+
+async def test_swap_aborts_stragglers_after_the_drain_timeout(
+    fake_sglang_slow_tokens: str, tmp_path: Path
+) -> None:
+    """The drain-timeout policy of every HTTP backend (`inference.http_backend`): requests
+    still running when the drain times out fail with BackendError, then the swap goes on.
+    What a straggler streamed before that came from the old weights only."""
+    be = backend(fake_sglang_slow_tokens, drain_timeout_s=0.2)
+    stuck = asyncio.create_task(be.generate(req(8)))
+    stream = be.start_stream(req(8))
+    got: list[int] = []
+    swap = None
+    with pytest.raises(BackendError, match="drain timeout"):
+        async for token, _ in stream.tokens():
+            got.append(token)
+            if swap is None:  # mid-stream: swap now
+                swap = asyncio.create_task(be.load_weights(tmp_path / "v1", 1))
+    assert swap is not None
+    await swap
+    with pytest.raises(BackendError, match="drain timeout"):
+        await stuck
+    assert 1 <= len(got) < 8 and got == expected(PROMPT, 8, 0)[0][: len(got)]
+    assert be.version == 1 and (await be.generate(req(2))).policy_version == 1
+    await be.close()

@@ -172,3 +172,49 @@ async def test_swap_refuses_a_directory_without_weights(tmp_path: Path) -> None:
     assert be.version == 0 and "/pause" not in fake.calls
     assert (await be.generate(REQ)).policy_version == 0  # the gate is open again
     await be.close()
+
+
+async def test_swap_aborts_stragglers_after_the_drain_timeout(tmp_path: Path) -> None:
+    """The drain-timeout policy of every HTTP backend (`inference.http_backend`): requests
+    still running when the drain times out fail with BackendError, then the swap goes on."""
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    fake = FakeVLLM()
+    be = VLLMBackend(
+        HttpBackendConfig(base_url="http://vllm.test", drain_timeout_s=0.2),
+        transport=httpx.MockTransport(fake.handler),
+    )
+    await be.server_info()
+    fake.release.clear()  # both requests below hang until aborted
+    stuck = asyncio.create_task(be.generate(REQ))
+    stream = be.start_stream(REQ)
+    while fake.calls.count("/v1/completions") < 2:
+        await asyncio.sleep(0.01)
+    await be.load_weights(tmp_path, 1)
+    with pytest.raises(BackendError, match="drain timeout"):
+        await stuck
+    with pytest.raises(BackendError, match="drain timeout"):
+        await stream.result()
+    assert "completion-done" not in fake.calls  # neither got an answer from any version
+    i = fake.calls.index
+    assert i("/pause") < i("/collective_rpc") < i("/resume") and be.version == 1
+    fake.release.set()
+    assert (await be.generate(REQ)).policy_version == 1  # the gate is open again
+    await be.close()
+
+
+async def test_stream_cancel_keeps_the_version_it_was_admitted_on(tmp_path: Path) -> None:
+    fake = FakeVLLM()
+    be = _backend(fake)
+    fake.release.clear()
+    stream = be.start_stream(REQ)
+    while "/v1/completions" not in fake.calls:
+        await asyncio.sleep(0.01)
+    stream.cancel()
+    result = await stream.result()
+    assert (result.finish_reason, result.output_token_ids, result.policy_version) == (
+        "cancelled",
+        [],
+        0,
+    )
+    assert [t async for t, _ in stream.tokens()] == []
+    await be.close()
