@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Completion, Episode, Reward
+from gateway.store.completions import episode_completions_sync
+from gateway.store.episodes import step_episodes_sync
+from gateway.store.models import Completion
+from gateway.store.rewards import latest_episode_reward_sync
 from trainer.advantages import group_advantage
 from trainer.config import RunConfig
 
@@ -60,25 +62,11 @@ def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
     from trainer.returns import Node, completion_returns, episode_return
     from trainer.sequences import AssemblyStats, Turn, assemble
 
-    episodes = (
-        session.execute(
-            select(Episode)
-            .where(Episode.run_id == run_id, Episode.train_step == step)
-            .order_by(Episode.group_id, Episode.id)
-        )
-        .scalars()
-        .all()
-    )
-    trees: dict[str, list[Completion]] = {}
-    for ep in episodes:
-        trees[ep.id] = list(
-            session.execute(
-                select(Completion)
-                .where(Completion.run_id == run_id, Completion.episode_id == ep.id)
-                .order_by(Completion.created_at, Completion.id)
-            ).scalars()
-        )
-    explicit = {ep.id: _explicit_episode_reward(session, run_id, ep) for ep in episodes}
+    episodes = step_episodes_sync(session, run_id, step)
+    trees: dict[str, list[Completion]] = {
+        ep.id: episode_completions_sync(session, run_id, [ep.id]) for ep in episodes
+    }
+    explicit = {ep.id: latest_episode_reward_sync(session, run_id, ep.id) for ep in episodes}
     nodes = {ep.id: [Node(c.id, c.parent_id, c.reward) for c in trees[ep.id]] for ep in episodes}
     returns = {
         ep.id: episode_return(nodes[ep.id], explicit[ep.id], cfg.reward_policy, cfg.gamma)
@@ -117,21 +105,6 @@ def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
         ]
         samples.extend(assemble(turns, adv, train_orphans=cfg.train_orphans, stats=stats))
     return samples, [returns[ep.id] for ep in episodes], [ep.group_id for ep in episodes], stats
-
-
-def _explicit_episode_reward(session: Session, run_id: str, ep: Episode) -> float | None:
-    """The newest episode-level reward post, if any (per-turn posts live on completions)."""
-    row = session.execute(
-        select(Reward.value)
-        .where(
-            Reward.run_id == run_id,
-            Reward.episode_id == ep.id,
-            Reward.completion_id.is_(None),
-        )
-        .order_by(Reward.id.desc())
-        .limit(1)
-    ).scalar_one_or_none()
-    return None if row is None else float(row)
 
 
 @dataclass

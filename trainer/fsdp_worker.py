@@ -6,8 +6,9 @@
         [--reference-dir=BASE] [--optimizer-in=DIR] [--optimizer-out=DIR]
 
 Normally started by `trainer.launch.run_fsdp_step`, which documents the files.
-The run config's `engine` picks the class: `FsdpEngine`, or `MegatronEngine`
-(imported only then, since megatron-core is an optional GPU-only extra).
+The run config's `engine` picks the class through `trainer.engines`
+(`FsdpEngine`, or `MegatronEngine`, imported only then since megatron-core
+is an optional GPU-only extra).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from pathlib import Path
 
 from trainer.config import ParallelConfig, RunConfig
-from trainer.fsdp_engine import FsdpEngine
+from trainer.engines import engine_class, torchrun_engine
 from trainer.launch import read_samples
 
 
@@ -45,12 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig.model_validate(conf["run"])
     parallel = ParallelConfig.model_validate(conf.get("parallel") or {})
     samples = read_samples(args.samples)  # before the model load, so a bad file fails fast
-    engine_cls = FsdpEngine
-    if cfg.engine == "megatron":
-        from trainer.megatron_engine import MegatronEngine
-
-        engine_cls = MegatronEngine
-    engine = engine_cls(
+    engine = engine_class(torchrun_engine(cfg.engine))(
         args.checkpoint_dir, args.version, cfg, parallel, reference_dir=args.reference_dir
     )
     try:
@@ -60,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.optimizer_out is not None:
             engine.save_optimizer(args.optimizer_out)
         engine.save(args.out_dir, args.tokenizer_dir)
-        if engine.dist.rank == 0:
+        if engine.rank == 0:
             # written last and renamed, so the launcher never sees a half-written file
             tmp = args.metrics.with_name(args.metrics.name + ".tmp")
             tmp.write_text(json.dumps({**metrics, "version": engine.version}))

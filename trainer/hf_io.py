@@ -8,7 +8,27 @@ from pathlib import Path
 
 import torch
 
-from trainer.engine import TOKENIZER_FILES
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def publish_checkpoint(tmp: Path, out_dir: Path, tokenizer_dir: Path) -> None:
+    """Add the tokenizer files to the model written in `tmp`, then rename it over `out_dir`.
+
+    Every engine writes its checkpoint to `tmp` first, so a reader never sees half of one.
+    """
+    tmp, out_dir, tokenizer_dir = Path(tmp), Path(out_dir), Path(tokenizer_dir)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.is_file() and not (tmp / name).exists():
+            shutil.copy2(src, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
 
 
 def write_untied_hf(
@@ -27,7 +47,7 @@ def write_untied_hf(
     """
     from transformers import AutoModelForCausalLM
 
-    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    out_dir = Path(out_dir)
     state = dict(state)
     head, emb = "lm_head.weight", "model.embed_tokens.weight"
     if head not in state or state[head].data_ptr() == state[emb].data_ptr():
@@ -41,9 +61,4 @@ def write_untied_hf(
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shell.save_pretrained(tmp, state_dict=state)
-    for name in TOKENIZER_FILES:
-        src = tokenizer_dir / name
-        if src.is_file() and not (tmp / name).exists():
-            shutil.copy2(src, tmp / name)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    publish_checkpoint(tmp, out_dir, tokenizer_dir)

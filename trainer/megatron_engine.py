@@ -1,4 +1,4 @@
-"""Megatron-core training engine (GPU only): the LocalEngine step on a Megatron GPT model.
+"""Megatron-core training engine (GPU only): the shared PPO step on a Megatron GPT model.
 
 Selected with `engine: "megatron"` in the run config and launched like the
 FSDP engine (`torchrun` ranks running `trainer.fsdp_worker`). megatron-core
@@ -7,56 +7,49 @@ forward pass without CUDA, so everything that touches it is imported inside
 the engine; `megatron_unavailable` says, without importing it, why the
 engine cannot run on this machine.
 
-One step, top to bottom (`MegatronEngine.step`):
+The step loop, the loss and the metrics are `trainer.engine_base.Engine.step`,
+the same as the other engines'; this engine owns the model and the reduction:
 
 1. The HF checkpoint of version N is read, converted to Megatron-core names
    (`trainer.megatron_convert`) and loaded into a `GPTModel` built from the
    mapped `TransformerConfig`. The Transformer Engine layer spec is used when
    `transformer_engine` is importable, else Megatron-core's local spec.
-2. Each rank takes its share of the samples (`shard_for_rank`, as in the
-   FSDP engine) in padded micro-batches of `micro_batch_size`; the trained
-   token and sequence counts are all-reduced first, so every micro-batch on
-   every rank divides by the same global denominator.
-3. Logits come from `GPTModel.forward(input_ids, position_ids,
-   attention_mask=None)` (a causal mask is built inside; right padding
-   never reaches a real position); logprobs and entropy are taken at the
-   trained positions and fed to `trainer.losses.policy.policy_loss`, the
-   loss every engine uses (PPO-clip, KL to the frozen base, entropy bonus).
-4. Data parallel only (tensor and pipeline parallel size 1): gradients are
-   SUMMED over ranks (the loss is already globally normalised), clipped,
-   and AdamW steps at the schedule's learning rate.
-5. `save` converts back to HF names on rank 0 and writes the same untied
+2. Padded micro-batches of `micro_batch_size`. Logits come from
+   `GPTModel.forward(input_ids, position_ids, attention_mask=None)` (a
+   causal mask is built inside; right padding never reaches a real
+   position); logprobs and entropy are taken at the trained positions by
+   `trainer.logprobs.logprobs_at`, as in the other engines.
+3. Data parallel only (tensor and pipeline parallel size 1): every rank
+   holds the whole model, and gradients are SUMMED over ranks by hand
+   before clipping (the loss is already globally normalised).
+4. `save` converts back to HF names on rank 0 and writes the same untied
    directory as the other engines.
 
 Departs from a Megatron pre-training loop in that it uses torch's AdamW and
 an explicit all-reduce instead of Megatron's distributed optimizer and DDP
 wrapper: one optimizer step per batch, so the overlap they buy is small,
-and the step stays comparable line by line with the other engines.
+and the step stays the one every engine runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-import time
-from dataclasses import fields
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from trainer.batch import Batch, Sample, collate
-from trainer.config import ParallelConfig, RunConfig
-from trainer.engine import advantage_stats, learning_rate, optimizer_step
+from trainer.batch import Sample, collate
+from trainer.engine_base import DistributedEngine, read_optimizer_file, save_optimizer_file
 from trainer.engine_check import EngineUnavailable, engine_unavailable
-from trainer.losses.policy import policy_loss
-from trainer.packing import padded_groups, trainable_batch
-from trainer.parallel import DTYPES, init_distributed
+from trainer.logprobs import Forward, logprobs_at, to_device
+from trainer.packing import trainable_batch
+from trainer.parallel import init_distributed
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_FILE = "optimizer.pt"
 
 
 class MegatronUnavailable(EngineUnavailable):
@@ -81,69 +74,27 @@ def read_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def selected_logprobs(
-    logits: torch.Tensor, batch, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] logprobs of the targets (and entropy) from [B, T, V] logits; 0 off the mask.
+class MegatronEngine(DistributedEngine):
+    """A Megatron-core GPTModel replicated on every rank; AdamW's state in `optimizer.pt`."""
 
-    The same arithmetic as `LocalEngine._logprobs_and_entropy`: position t-1
-    predicts token t, at token t's sampling temperature.
-    """
-    where = batch.loss_mask[:, 1:] > 0
-    rows = logits[:, :-1][where].float() / batch.temperatures[:, 1:][where][:, None]
-    logp = torch.log_softmax(rows, dim=-1)
-    picked = logp.gather(-1, batch.input_ids[:, 1:][where][:, None]).squeeze(-1)
-    out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
-    out[where] = picked
-    pad = torch.zeros_like(out[:, :1])
-    ent = None
-    if with_entropy:
-        ent = torch.zeros_like(out)
-        ent[where] = -(logp.exp() * logp).sum(-1)
-        ent = torch.cat([pad, ent], dim=1)
-    return torch.cat([pad, out], dim=1), ent
-
-
-class MegatronEngine:
-    """Same surface as `FsdpEngine`: step, save, load/save_optimizer, close. Every rank runs it."""
-
-    def __init__(
-        self,
-        checkpoint_dir: Path,
-        version: int,
-        cfg: RunConfig,
-        parallel: ParallelConfig | None = None,
-        reference_dir: Path | None = None,
-    ) -> None:
+    def join_group(self) -> None:
+        """Refuse a machine that cannot run megatron-core, before any process group forms."""
         reason = megatron_unavailable()
         if reason:
             raise MegatronUnavailable(reason)
-        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core import parallel_state
 
-        self.cfg = cfg
-        self.parallel = parallel or ParallelConfig()
-        self.version = version
-        self.dist = init_distributed("nccl")
+        self.joined(init_distributed("nccl"))
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1
             )
-        torch.manual_seed(cfg.seed + version)
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed + version)
-        self.hf_config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-        self.source_dir = Path(checkpoint_dir)
-        self.pad_id = self.hf_config.get("pad_token_id") or 0
-        self.compute_dtype = DTYPES[self.parallel.param_dtype]
-        self.model = self._build(checkpoint_dir, train=True)
-        self.reference = None
-        if cfg.kl_coef > 0:  # the frozen base model, for the KL penalty
-            if reference_dir is None:
-                raise ValueError("kl_coef > 0 needs the reference model's directory")
-            self.reference = self._build(reference_dir, train=False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
-        )
-        self.optimizer_resumed = False
+
+    def seed(self) -> None:
+        from megatron.core import tensor_parallel
+
+        super().seed()
+        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed + self.version)
 
     def _layer_spec(self):
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -155,7 +106,7 @@ class MegatronEngine:
             return get_gpt_layer_with_transformer_engine_spec(), False
         return get_gpt_layer_local_spec(normalization="RMSNorm"), True
 
-    def _build(self, model_dir: Path, *, train: bool):
+    def load_model(self, model_dir: Path, *, train: bool) -> nn.Module:
         """A GPTModel on this rank's GPU holding the HF weights of `model_dir` (fp32 master)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
@@ -188,11 +139,6 @@ class MegatronEngine:
         self._local_spec = local
         return model
 
-    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.dist.device)
-        dist.all_reduce(t, op=op)
-        return t.tolist()
-
     def _logits(self, model, batch) -> torch.Tensor:
         ids = batch.input_ids
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
@@ -200,83 +146,33 @@ class MegatronEngine:
         with torch.autocast("cuda", dtype=self.compute_dtype, enabled=mixed):
             return model(ids, pos, None)  # [B, T, V]; None: the causal mask is built inside
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step over all ranks' samples, one global denominator."""
-        from trainer.fsdp_engine import shard_for_rank
-
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        mine = shard_for_rank(samples, self.dist.rank, self.dist.world_size)
-        trained = sum(sum(s.loss_mask[1:]) for s in mine)  # position 0 is never trained
-        n_tokens, n_seqs, n_total = self._all_reduce(
-            [trained, len(mine), sum(len(s.input_ids) for s in mine)]
-        )
-        denom = max(n_tokens, 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
-        keys = ["clip_frac", "approx_kl", "ratio_mean", "iw_mean", "entropy"]
+    def forward(self, chunk: list[Sample]) -> Forward:
+        batch = to_device(trainable_batch(collate(chunk, self.pad_id)), self.dist.device)
+        select = batch.loss_mask[:, 1:] > 0
+        ids, temps = batch.input_ids, batch.temperatures
+        rows = self._logits(self.policy, batch)[:, :-1][select]
+        logp, entropy = logprobs_at(rows, ids, select, temps, with_entropy=True)
+        ref = None
         if self.reference is not None:
-            keys.append("kl_ref")
-        local = dict.fromkeys(("loss", *keys), 0.0)
-        ratio_max = 0.0
-        for chunk in padded_groups(mine, cfg.micro_batch_size):
-            batch = trainable_batch(collate(chunk, self.pad_id))
-            batch = Batch(*(getattr(batch, f.name).to(self.dist.device) for f in fields(batch)))
-            logp, entropy = selected_logprobs(
-                self._logits(self.model, batch), batch, with_entropy=True
-            )
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref, _ = selected_logprobs(
-                        self._logits(self.reference, batch), batch, with_entropy=False
-                    )
-            loss, m = policy_loss(
-                logp,
-                batch.old_logprobs,
-                batch.advantages,
-                batch.loss_mask,
-                cfg,
-                n_tokens=denom,
-                n_sequences=max(n_seqs, 1.0),
-                ref_logp=ref,
-                entropy=entropy,
-            )
-            loss.backward()
-            here = float(batch.loss_mask.sum())
-            if here > 0:
-                local["loss"] += float(loss.detach())
-                for k in keys:
-                    local[k] += m[k] * here / denom
-                ratio_max = max(ratio_max, m["ratio_max"])
+            with torch.no_grad():
+                rows = self._logits(self.reference, batch)[:, :-1][select]
+                ref, _ = logprobs_at(rows, ids, select, temps, with_entropy=False)
+        return Forward(logp, entropy, ref, batch)
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:  # SUM: every micro-batch loss is already divided by the global count
+    def trained_parameters(self) -> Iterable[nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def clip_gradients(self) -> float:
+        """SUM the gradients over ranks (no DDP wrapper), then clip the global norm."""
+        for p in self.trained_parameters():
             if p.grad is None:  # a rank without samples still joins the collective
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        lr = optimizer_step(self.optimizer, cfg, self.version)
-        self.version += 1
-        summed = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
-        (ratio_max,) = self._all_reduce([ratio_max], op=dist.ReduceOp.MAX)
-        seconds = time.perf_counter() - t0
-        return {
-            **summed,
-            "grad_norm": float(grad_norm),
-            "tokens": n_tokens,
-            "tokens_total": n_total,
-            "train_seconds": seconds,
-            "tokens_per_s": n_total / seconds if seconds else 0.0,
-            "ratio_max": ratio_max,
-            "world_size": float(self.dist.world_size),
-            "lr": lr,
-            "optimizer_resumed": float(self.optimizer_resumed),
-            **advantage_stats(samples),
-        }
+        return super().clip_gradients()
 
     def save(self, out_dir: Path, tokenizer_dir: Path) -> None:
         """Rank 0 converts back to HF names and writes the untied directory. Collective."""
-        if self.dist.rank == 0:
+        if self.rank == 0:
             from transformers import AutoConfig, GenerationConfig
 
             from trainer.hf_io import write_untied_hf
@@ -284,18 +180,18 @@ class MegatronEngine:
 
             state = {
                 k: v.detach().to("cpu", torch.float32)
-                for k, v in self.model.state_dict().items()
+                for k, v in self.policy.state_dict().items()
                 if not k.endswith("_extra_state")
             }
             if self._local_spec:
                 state = from_local_spec(state)
             try:
-                generation = GenerationConfig.from_pretrained(self.source_dir)
+                generation = GenerationConfig.from_pretrained(self.checkpoint_dir)
             except OSError:
                 generation = None
             write_untied_hf(
                 megatron_to_hf(state, self.hf_config),
-                AutoConfig.from_pretrained(self.source_dir),
+                AutoConfig.from_pretrained(self.checkpoint_dir),
                 generation,
                 out_dir,
                 tokenizer_dir,
@@ -304,26 +200,21 @@ class MegatronEngine:
 
     def save_optimizer(self, state_dir: Path) -> None:
         """Every rank holds the same AdamW state (data parallel only): rank 0 writes it."""
-        if self.dist.rank == 0:
-            state_dir = Path(state_dir)
-            state_dir.mkdir(parents=True, exist_ok=True)
-            tmp = state_dir / (OPTIMIZER_FILE + ".tmp")
-            torch.save({"version": self.version, "state": self.optimizer.state_dict()}, tmp)
-            tmp.replace(state_dir / OPTIMIZER_FILE)
+        if self.rank == 0:
+            save_optimizer_file(self.optimizer, state_dir, self.version)
         dist.barrier()
 
     def load_optimizer(self, state_dir: Path | None) -> bool:
-        """Resume AdamW if `state_dir` holds the state for this version, else start fresh."""
-        path = Path(state_dir) / OPTIMIZER_FILE if state_dir is not None else None
-        saved = None
-        if path is not None and path.is_file():
-            saved = torch.load(path, map_location=self.dist.device, weights_only=True)
-        ok = saved is not None and saved.get("version") == self.version
-        (agreed,) = self._all_reduce([1.0 if ok else 0.0], op=dist.ReduceOp.MIN)
+        """Resume AdamW if `state_dir` holds the state for this version, else start fresh.
+
+        All or nothing: if any rank cannot read it, every rank starts fresh.
+        """
+        state, why = read_optimizer_file(state_dir, self.version, self.dist.device)
+        (agreed,) = self.all_reduce([0.0 if state is None else 1.0], op=dist.ReduceOp.MIN)
         if agreed:
-            self.optimizer.load_state_dict(saved["state"])
-        elif self.dist.rank == 0:
-            logger.warning("fresh AdamW state for v%d: nothing usable at %s", self.version, path)
+            self.optimizer.load_state_dict(state)
+        elif self.rank == 0:
+            logger.warning("fresh AdamW state for v%d: %s", self.version, why or "a rank lacks it")
         self.optimizer_resumed = bool(agreed)
         return self.optimizer_resumed
 
@@ -331,6 +222,4 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        super().close()

@@ -18,18 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.store.db import make_sync_engine
-from gateway.store.models import Episode, PolicyVersion, Run, TrainStep
+from gateway.store.episodes import mark_step_trained_sync, release_step_episodes_sync
+from gateway.store.models import PolicyVersion, Run, TrainStep
+from gateway.store.runs import advance_version_sync, lock_run_sync
+from gateway.store.status import StepStatus
 from rlgate.settings import Settings
 from trainer.batch import load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
+from trainer.engine_base import Engine
 from trainer.engine_check import EngineUnavailable, engine_unavailable
+from trainer.engines import engine_class, engine_entry
 from trainer.launch import run_fsdp_step, write_samples
 from trainer.metrics_sinks import make_sinks
 
@@ -42,10 +45,10 @@ class Trainer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
-        self.engines: dict[str, LocalEngine] = {}
+        self.engines: dict[str, Engine] = {}  # in-process engines only (not torchrun)
         self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B
 
-    def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> LocalEngine:
+    def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
 
         A fresh engine takes the weights of version N and, when the run saves
@@ -58,11 +61,11 @@ class Trainer:
         pv = session.get(PolicyVersion, (run.id, run.current_version))
         if pv is None:
             raise RuntimeError(f"run {run.id} has no checkpoint for version {run.current_version}")
-        engine = LocalEngine(
+        engine = engine_class(cfg.engine)(
             Path(pv.checkpoint_path), run.current_version, cfg, reference_dir=Path(run.model_path)
         )
         if cfg.save_optimizer_state:  # a restarted worker resumes the moments saved on disk
-            engine.load_optimizer(self._optimizer_path(run.id))
+            engine.load_optimizer(self._optimizer_dir(run.id))
         self.engines[run.id] = engine
         return engine
 
@@ -72,9 +75,9 @@ class Trainer:
             run = s.get(Run, run_id)
             if row is None or run is None:
                 raise RuntimeError(f"no step {step} for run {run_id}")
-            if row.status == "done" or run.current_version > step:
+            if row.status == StepStatus.DONE or run.current_version > step:
                 return {"run_id": run_id, "step": step, "version": step + 1, "skipped": True}
-            row.status = "running"
+            row.status = StepStatus.RUNNING
         try:
             return self._train(run_id, step)
         except OperationalError:
@@ -99,7 +102,8 @@ class Trainer:
             if not samples:
                 raise RuntimeError(f"step {step} of run {run_id} has no samples")
             model_path = Path(run.model_path)
-            if cfg.engine in ("fsdp", "megatron"):
+            torchrun = engine_entry(cfg.engine).torchrun
+            if torchrun:
                 pv = s.get(PolicyVersion, (run.id, run.current_version))
                 if pv is None:
                     raise RuntimeError(f"run {run.id} has no checkpoint for v{run.current_version}")
@@ -108,7 +112,7 @@ class Trainer:
                 engine = self.engine_for(run, cfg, s)
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.engine != "local":  # torchrun ranks in a subprocess: this worker may be a child
+        if torchrun:  # torchrun ranks in a subprocess: this worker may be a child
             with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
                 metrics = run_fsdp_step(
                     checkpoint,
@@ -132,7 +136,7 @@ class Trainer:
             metrics = engine.step(samples)
             engine.save(out, model_path)
             if cfg.save_optimizer_state:
-                engine.save_optimizer(self._optimizer_path(run_id))
+                engine.save_optimizer(self._optimizer_dir(run_id))
         versions = [s.min_version for s in samples]
         metrics |= {
             "sequences": float(assembly.sequences),
@@ -144,21 +148,12 @@ class Trainer:
         }
         duration = time.perf_counter() - t0
         with self.sessions.begin() as s:
-            bumped = s.execute(
-                update(Run)
-                .where(Run.id == run_id, Run.current_version == step)
-                .values(current_version=step + 1)
-            ).rowcount
-            if bumped != 1:
+            if not advance_version_sync(s, run_id, step):
                 raise RuntimeError(f"run {run_id} moved past version {step} during the step")
             s.add(PolicyVersion(run_id=run_id, version=step + 1, checkpoint_path=str(out)))
-            s.execute(
-                update(Episode)
-                .where(Episode.run_id == run_id, Episode.train_step == step)
-                .values(status="trained")
-            )
+            mark_step_trained_sync(s, run_id, step)
             row = s.get(TrainStep, (run_id, step))
-            row.status = "done"
+            row.status = StepStatus.DONE
             row.loss = metrics["loss"]
             row.reward_mean = statistics.fmean(rewards)
             row.reward_std = statistics.pstdev(rewards)
@@ -171,8 +166,9 @@ class Trainer:
         self.sinks.log(run_id, step + 1, {**metrics, "reward_mean": statistics.fmean(rewards)})
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
 
-    def _optimizer_path(self, run_id: str) -> Path:
-        return self.settings.checkpoints_dir / run_id / "optimizer.pt"
+    def _optimizer_dir(self, run_id: str) -> Path:
+        """The in-process engine's AdamW state: `optimizer.pt` in the run's checkpoint root."""
+        return self.settings.checkpoints_dir / run_id
 
     def _fsdp_optimizer_dir(self, run_id: str, version: int) -> Path:
         """The FSDP engine's sharded AdamW state after `version` (one directory per version)."""
@@ -182,17 +178,13 @@ class Trainer:
         """Mark the step failed and hand its episodes back, so the scheduler can retry it."""
         with self.sessions.begin() as s:
             # the run row first, like the scheduler's claim: a claim sees this failure whole
-            s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+            lock_run_sync(s, run_id)
             row = s.get(TrainStep, (run_id, step))
-            if row is not None and row.status != "done":
-                row.status = "failed"
+            if row is not None and row.status != StepStatus.DONE:
+                row.status = StepStatus.FAILED
                 row.error = f"{type(exc).__name__}: {exc}"[:2000]
                 row.metrics = {"attempts": (row.metrics or {}).get("attempts", 1)}
-                s.execute(
-                    update(Episode)
-                    .where(Episode.run_id == run_id, Episode.train_step == step)
-                    .values(status="rewarded", train_step=None)
-                )
+                release_step_episodes_sync(s, run_id, step)
 
     def _prune(self, run_id: str, newest: int, keep: int) -> None:
         """Delete checkpoints older than the newest `keep` (version 0 is the base model)."""

@@ -245,6 +245,31 @@ def test_a_tied_source_model_is_saved_with_an_explicit_head(
     assert (tmp_path / "v1" / "tokenizer.json").is_file()
 
 
+def test_local_and_fsdp_engines_report_the_same_metrics(tiny_model_dir: Path) -> None:
+    """In-process, one rank, padded micro-batches like the local engine: the same metric keys
+    (the FSDP engine used to drop the advantage statistics), and the same values but timing."""
+    from trainer.config import ParallelConfig
+    from trainer.engine_base import METRICS
+    from trainer.fsdp_engine import FsdpEngine
+
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})
+    local = LocalEngine(tiny_model_dir, 0, cfg, reference_dir=tiny_model_dir)
+    samples = _samples(6, local.model.config.vocab_size, seed=5)
+    expected = local.step(samples)
+    engine = FsdpEngine(
+        tiny_model_dir, 0, cfg, ParallelConfig(packing=False), reference_dir=tiny_model_dir
+    )
+    try:
+        got = engine.step(samples)
+    finally:
+        engine.close()
+    adv = {"adv_mean", "adv_std", "adv_min", "adv_max"}
+    assert set(got) == set(expected) == {*METRICS, "kl_ref", *adv}
+    for key in sorted(set(expected) - {"train_seconds", "tokens_per_s"}):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert got["micro_batches"] == 2 and got["world_size"] == 1 and got["tokens"] > 30
+
+
 def test_fsdp_optimizer_state_is_used_only_for_its_version(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from trainer.advantages import group_advantage
 from trainer.config import RunConfig
-from trainer.engine import learning_rate
+from trainer.engine_base import learning_rate
 from trainer.losses.kl import kl_penalty
 from trainer.losses.policy import policy_loss
 
@@ -137,16 +137,16 @@ def test_optimizer_state_resumes_for_the_right_version(tiny_model_dir, tmp_path)
     samples = [Sample([5, 6, 7], [0, 1, 1], [0, -4.0, -4.0], [0, 1.0, 1.0], [1.0] * 3, 0)] * 2
     engine.step(samples)
     engine.save(tmp_path / "v1", tiny_model_dir)
-    engine.save_optimizer(tmp_path / "optimizer.pt")
+    engine.save_optimizer(tmp_path / "optimizer")
     resumed = LocalEngine(tmp_path / "v1", 1, cfg)
-    assert resumed.load_optimizer(tmp_path / "optimizer.pt")
+    assert resumed.load_optimizer(tmp_path / "optimizer")
     a = engine.optimizer.state_dict()["state"]
     b = resumed.optimizer.state_dict()["state"]
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k]["exp_avg"], b[k]["exp_avg"])
     stale = LocalEngine(tmp_path / "v1", 2, cfg)  # a different version: start fresh
-    assert not stale.load_optimizer(tmp_path / "optimizer.pt")
+    assert not stale.load_optimizer(tmp_path / "optimizer")
 
 
 def test_local_engine_resumed_after_a_restart_equals_one_kept_in_memory(
@@ -164,10 +164,10 @@ def test_local_engine_resumed_after_a_restart_equals_one_kept_in_memory(
     kept = LocalEngine(tiny_model_dir, 0, cfg)
     kept.step(samples)
     kept.save(tmp_path / "v1", tiny_model_dir)
-    kept.save_optimizer(tmp_path / "optimizer.pt")
+    kept.save_optimizer(tmp_path / "optimizer")
     kept.step(samples)
     restarted = LocalEngine(tmp_path / "v1", 1, cfg)
-    assert restarted.load_optimizer(tmp_path / "optimizer.pt")
+    assert restarted.load_optimizer(tmp_path / "optimizer")
     restarted.step(samples)
     fresh = LocalEngine(tmp_path / "v1", 1, cfg)
     fresh.step(samples)

@@ -1,5 +1,1 @@
-"""Policy losses; each returns (loss, metrics)."""
-
-from trainer.losses.ppo import ppo_clip_loss
-
-__all__ = ["ppo_clip_loss"]
+"""Policy losses, each returning (loss, metrics); engines call `policy.policy_loss`."""
