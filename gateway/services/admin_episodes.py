@@ -10,11 +10,9 @@ token counts as trained once its episode reached status "trained".
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import InvalidRequest, NotFound
@@ -25,8 +23,10 @@ from gateway.protocol_admin import (
     EpisodeSummary,
     TokenView,
 )
-from gateway.store.models import Completion, Episode, Run
-from gateway.store.repo import as_utc
+from gateway.store.completions import episode_completions, turn_stats
+from gateway.store.episodes import episode_page
+from gateway.store.models import Completion, Episode, Run, as_utc
+from gateway.store.status import EpisodeStatus
 
 
 class TokenDecoder:
@@ -73,56 +73,28 @@ class EpisodeAdmin:
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
-            stmt = select(Episode).where(Episode.run_id == run_id)
-            if status is not None:
-                stmt = stmt.where(Episode.status == status)
-            if reward_min is not None:
-                stmt = stmt.where(Episode.reward >= reward_min)
-            if reward_max is not None:
-                stmt = stmt.where(Episode.reward <= reward_max)
-            if version is not None:
-                stmt = stmt.where(
-                    exists().where(
-                        Completion.run_id == Episode.run_id,
-                        Completion.episode_id == Episode.id,
-                        Completion.policy_version == version,
-                    )
-                )
+            anchor = None
             if after is not None:
                 anchor = await s.get(Episode, (run_id, after))
                 if anchor is None:
                     raise InvalidRequest(f"no episode {after!r} to page after", param="after")
-                stmt = stmt.where(
-                    or_(
-                        Episode.created_at < anchor.created_at,
-                        and_(Episode.created_at == anchor.created_at, Episode.id < anchor.id),
-                    )
-                )
-            stmt = stmt.order_by(Episode.created_at.desc(), Episode.id.desc()).limit(limit + 1)
-            episodes = list((await s.execute(stmt)).scalars())
+            episodes = await episode_page(
+                s,
+                run_id,
+                limit=limit + 1,  # one more says whether a next page exists
+                newest_first=True,
+                after=(anchor.created_at, anchor.id) if anchor else None,
+                status=status,
+                reward_min=reward_min,
+                reward_max=reward_max,
+                sampled_by=version,
+            )
             more = len(episodes) > limit
             episodes = episodes[:limit]
-            stats = await self._turn_stats(s, run_id, [e.id for e in episodes])
+            stats = await turn_stats(s, run_id, [e.id for e in episodes])
         return EpisodePage(
             data=[_summary(e, *stats.get(e.id, (0, []))) for e in episodes], has_more=more
         )
-
-    async def _turn_stats(
-        self, s: AsyncSession, run_id: str, ids: list[str]
-    ) -> dict[str, tuple[int, list[int]]]:
-        if not ids:
-            return {}
-        rows = await s.execute(
-            select(Completion.episode_id, Completion.policy_version, func.count())
-            .where(Completion.run_id == run_id, Completion.episode_id.in_(ids))
-            .group_by(Completion.episode_id, Completion.policy_version)
-        )
-        turns: dict[str, int] = defaultdict(int)
-        versions: dict[str, list[int]] = defaultdict(list)
-        for ep_id, version, n in rows.all():
-            turns[ep_id] += int(n)
-            versions[ep_id].append(int(version))
-        return {k: (turns[k], sorted(versions[k])) for k in turns}
 
     async def detail(self, run_id: str, episode_id: str) -> EpisodeDetail:
         async with self.sessions() as s:
@@ -132,17 +104,9 @@ class EpisodeAdmin:
             ep = await s.get(Episode, (run_id, episode_id))
             if ep is None:
                 raise NotFound(f"no episode {episode_id!r} in run {run_id!r}", param="episode_id")
-            completions = list(
-                (
-                    await s.execute(
-                        select(Completion)
-                        .where(Completion.run_id == run_id, Completion.episode_id == episode_id)
-                        .order_by(Completion.created_at, Completion.id)
-                    )
-                ).scalars()
-            )
+            completions = await episode_completions(s, run_id, [episode_id])
         tokenizer = await self.decoder.get(run.model_path)
-        trained = ep.status == "trained"
+        trained = ep.status == EpisodeStatus.TRAINED
         details = await asyncio.to_thread(
             lambda: [_completion(tokenizer, c, trained) for c in completions]
         )

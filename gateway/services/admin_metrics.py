@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import NotFound
 from gateway.protocol_admin import CountersPublic, MetricPoint, MetricSeries
-from gateway.store import repo
-from gateway.store.models import Episode, Run, TrainStep
+from gateway.store.completions import call_stats
+from gateway.store.episodes import episodes_by_status
+from gateway.store.models import Run, TrainStep, as_utc
+from gateway.store.steps import done_steps
 
 # name in the series -> where it comes from in a step's metrics, first present wins
 SERIES: dict[str, tuple[str, ...]] = {
@@ -54,7 +55,7 @@ def _point(row: TrainStep) -> MetricPoint:
     return MetricPoint(
         step=row.step,
         version=row.step + 1,
-        time=repo.as_utc(when).isoformat() if when else None,
+        time=as_utc(when).isoformat() if when else None,
         values=values,
     )
 
@@ -68,18 +69,7 @@ class MetricsAdmin:
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
-            rows = (
-                await s.execute(
-                    select(TrainStep)
-                    .where(
-                        TrainStep.run_id == run_id,
-                        TrainStep.status == "done",
-                        TrainStep.step > since_step,
-                    )
-                    .order_by(TrainStep.step)
-                )
-            ).scalars()
-            points = [_point(r) for r in rows]
+            points = [_point(r) for r in await done_steps(s, run_id, after=since_step)]
         return MetricSeries(run_id=run_id, names=list(SERIES), points=points)
 
     async def counters(self, run_id: str) -> CountersPublic:
@@ -87,21 +77,13 @@ class MetricsAdmin:
             run = await s.get(Run, run_id)
             if run is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
-            _links, drift = await repo.call_stats(s, run_id)
-            by_status = dict(
-                (
-                    await s.execute(
-                        select(Episode.status, func.count())
-                        .where(Episode.run_id == run_id)
-                        .group_by(Episode.status)
-                    )
-                ).all()
-            )
+            _links, drift = await call_stats(s, run_id)
+            by_status = await episodes_by_status(s, run_id)
         counters = run.counters or {}
         return CountersPublic(
             run_id=run_id,
             template_drift=drift,
             dropped={k: int(counters.get(k, 0)) for k in DROP_COUNTERS},
-            episodes_by_status={str(k): int(v) for k, v in by_status.items()},
+            episodes_by_status=by_status,
             counters=counters,
         )

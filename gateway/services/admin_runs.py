@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
-from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
@@ -35,21 +34,20 @@ from gateway.protocol_admin import (
     RunUpdate,
 )
 from gateway.services.backends import BackendPool
-from gateway.store import repo
-from gateway.store import responses as _responses  # noqa: F401 - registers its table
-from gateway.store.models import Base, PolicyVersion, Run, TrainStep
+from gateway.store.models import PolicyVersion, Run, as_utc
+from gateway.store.runs import (
+    advance_version,
+    bump_counter,
+    checkpoint_of,
+    delete_run,
+    policy_versions,
+)
+from gateway.store.steps import done_steps, step_in_flight
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 ROLLBACK_MARKER = "ROLLBACK.json"
-
-
-def run_tables() -> list:
-    """Every table holding a run's rows, children first (so the delete also holds where
-    foreign keys are not enforced); tables added later are covered without a change here."""
-    tables = reversed(Base.metadata.sorted_tables)
-    return [t for t in tables if "run_id" in t.c and t.name != Run.__tablename__]
 
 
 class RunAdmin:
@@ -92,14 +90,12 @@ class RunAdmin:
                     f"run {run_id!r} is {run.status}: stop it before deleting it",
                     code="run_not_stopped",
                 )
-            if await repo.step_in_flight(s, run_id) is not None:
+            if await step_in_flight(s, run_id) is not None:
                 raise Conflict(
                     f"run {run_id!r} has a train step in flight: delete it once the step ends",
                     code="step_in_flight",
                 )
-            for table in run_tables():
-                await s.execute(delete(table).where(table.c.run_id == run_id))
-            await s.execute(delete(Run).where(Run.id == run_id))
+            await delete_run(s, run_id)
         await self.pool.unload(run_id)
         await asyncio.to_thread(shutil.rmtree, self.checkpoints_dir / run_id, True)
         logger.info("deleted run %s", run_id)
@@ -109,23 +105,8 @@ class RunAdmin:
         served = serving.backend.version if serving else None
         async with self.sessions() as s:
             await _get(s, run_id)
-            versions = (
-                await s.execute(
-                    select(PolicyVersion)
-                    .where(PolicyVersion.run_id == run_id)
-                    .order_by(PolicyVersion.version)
-                )
-            ).scalars()
-            steps = {
-                r.step + 1: r
-                for r in (
-                    await s.execute(
-                        select(TrainStep).where(
-                            TrainStep.run_id == run_id, TrainStep.status == "done"
-                        )
-                    )
-                ).scalars()
-            }
+            versions = await policy_versions(s, run_id)
+            steps = {r.step + 1: r for r in await done_steps(s, run_id)}
             out = []
             for pv in versions:
                 path = Path(pv.checkpoint_path)
@@ -133,7 +114,7 @@ class RunAdmin:
                 out.append(
                     PolicyVersionPublic(
                         version=pv.version,
-                        created_at=repo.as_utc(pv.created_at).isoformat(),
+                        created_at=as_utc(pv.created_at).isoformat(),
                         checkpoint_available=path.is_dir(),
                         step=step.step if step else None,
                         rolled_back_from=_rollback_source(path),
@@ -148,7 +129,7 @@ class RunAdmin:
     async def checkpoint_dir(self, run_id: str, version: int) -> Path:
         async with self.sessions() as s:
             await _get(s, run_id)
-            path = await repo.checkpoint_of(s, run_id, version)
+            path = await checkpoint_of(s, run_id, version)
         if path is None:
             raise NotFound(f"run {run_id!r} has no version {version}", param="version")
         if not Path(path).is_dir():
@@ -163,7 +144,7 @@ class RunAdmin:
         source = await self.checkpoint_dir(run_id, version)
         async with self.sessions() as s:
             run = await _get(s, run_id)
-            if await repo.step_in_flight(s, run_id) is not None:
+            if await step_in_flight(s, run_id) is not None:
                 raise Conflict(
                     "a train step is in flight: pause the run and retry once it ends",
                     code="step_in_flight",
@@ -177,19 +158,12 @@ class RunAdmin:
         target = self.checkpoints_dir / run_id / f"v{new}"
         await asyncio.to_thread(_copy_checkpoint, source, target, version)
         async with self.sessions.begin() as s:
-            moved = (
-                await s.execute(
-                    update(Run)
-                    .where(Run.id == run_id, Run.current_version == new - 1)
-                    .values(current_version=new)
-                )
-            ).rowcount
-            if moved != 1:
+            if not await advance_version(s, run_id, new - 1):
                 await asyncio.to_thread(shutil.rmtree, target, True)
                 raise Conflict("the run moved to a new version meanwhile; retry", code="raced")
             s.add(PolicyVersion(run_id=run_id, version=new, checkpoint_path=str(target)))
             run = await s.get(Run, run_id)
-            repo.bump_counter(run, "rollbacks")
+            bump_counter(run, "rollbacks")
         logger.info("run %s rolled back to v%d as v%d", run_id, version, new)
         return RollbackResult(run_id=run_id, version=new, rolled_back_from=version)
 

@@ -7,11 +7,10 @@ import logging
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.protocol_admin import WorkersStatus
-from gateway.store.models import TrainStep
+from gateway.store.steps import pending_steps
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,7 @@ class WorkerAdmin:
 
     async def status(self) -> WorkersStatus:
         async with self.sessions() as s:
-            pending = (
-                await s.execute(
-                    select(func.count()).where(TrainStep.status.in_(("queued", "running")))
-                )
-            ).scalar_one()
+            pending = await pending_steps(s)
         broker = self.celery.conf.broker_url.split("://", 1)[0]
         workers: dict[str, Any] = {}
         depth: int | None = None

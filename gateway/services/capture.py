@@ -26,14 +26,16 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from sqlalchemy import insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
 from gateway.errors import Unavailable
-from gateway.store import repo
-from gateway.store.models import Completion, Episode, utcnow
+from gateway.store.completions import insert_completions
+from gateway.store.episodes import episodes_by_key, insert_episodes
+from gateway.store.models import Completion, utcnow
+from gateway.store.rewards import has_episode_reward
+from gateway.store.status import UNGROUPED, EpisodeStatus
 
 logger = logging.getLogger(__name__)
 
@@ -77,50 +79,21 @@ async def write_rows(
             wanted.setdefault((row.run_id, row.episode_id), group_id)
             if row.link != "new":  # "new": a fresh id the placement just drew, unseen
                 known.add((row.run_id, row.episode_id))
-    episodes: dict[tuple[str, str], Episode] = {}
-    if known:
-        runs, ids = {r for r, _ in known}, {e for _, e in known}
-        stmt = select(Episode).where(Episode.run_id.in_(runs), Episode.id.in_(ids))
-        found = (await session.execute(stmt)).scalars()
-        episodes = {(ep.run_id, ep.id): ep for ep in found if (ep.run_id, ep.id) in known}
+    episodes = await episodes_by_key(session, known)
     new_episodes = []
     for key, group_id in wanted.items():
         ep = episodes.get(key)
         if ep is None:
-            new_episodes.append(
-                {"run_id": key[0], "id": key[1], "group_id": group_id or repo.UNGROUPED}
-            )
-        elif ep.status == "rewarded" and not await repo.has_episode_reward(session, ep):
+            new_episodes.append({"run_id": key[0], "id": key[1], "group_id": group_id or UNGROUPED})
+        elif ep.status == EpisodeStatus.REWARDED and not await has_episode_reward(session, ep):
             # A new turn after per-turn rewards: the episode was not over.
-            ep.status, ep.reward, ep.rewarded_at = "open", None, None
+            ep.status, ep.reward, ep.rewarded_at = EpisodeStatus.OPEN, None, None
     await session.flush()
-    # Core executemany on the session's connection, not the ORM unit of work nor its bulk
-    # insert: a few times less CPU per row. The row objects stay transient, with every
-    # column filled as the caller will read it.
-    conn = await session.connection()
     now = utcnow()
-    if new_episodes:
-        for ep in new_episodes:
-            ep.update(status="open", created_at=now)
-        await conn.execute(insert(Episode.__table__), new_episodes)
-    values = []
-    for rows, _ in items:
-        for row in rows:
-            if row.created_at is None:
-                row.created_at = now
-            for name, default in _COMPLETION_DEFAULTS.items():
-                if getattr(row, name) is None:
-                    setattr(row, name, default)
-            values.append({name: getattr(row, name) for name in _COMPLETION_COLUMNS})
-    await conn.execute(insert(Completion.__table__), values)
-
-
-_COMPLETION_COLUMNS = tuple(c.key for c in Completion.__table__.columns)
-_COMPLETION_DEFAULTS = {
-    c.key: c.default.arg
-    for c in Completion.__table__.columns
-    if c.default is not None and c.default.is_scalar
-}
+    for ep in new_episodes:
+        ep.update(status=EpisodeStatus.OPEN, created_at=now)
+    await insert_episodes(session, new_episodes)
+    await insert_completions(session, [row for rows, _ in items for row in rows], now)
 
 
 class CaptureWriter:

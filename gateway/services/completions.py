@@ -34,8 +34,9 @@ from gateway.services.episodes import (
     place,
     with_sampled_answers,
 )
-from gateway.store import repo
+from gateway.store.episodes import pending_episodes
 from gateway.store.models import Completion, Run
+from gateway.store.runs import checkpoint_of
 from inference.backend import BackendError, BackendOverloaded
 from inference.reasoning import split_reasoning
 from inference.tool_parsers import ToolParser, get_parser
@@ -88,7 +89,7 @@ class ChatService:
         ckpt = self._checkpoints.get(key)
         if ckpt is None:
             async with self.sessions() as s:
-                ckpt = await repo.checkpoint_of(s, run.id, run.current_version)
+                ckpt = await checkpoint_of(s, run.id, run.current_version)
             if ckpt is not None:
                 # A version's checkpoint never changes once written (a rollback makes a new
                 # version): one query per version, not one per request.
@@ -141,7 +142,7 @@ class ChatService:
             )
             chain = await ancestry(s, placement.parent)
             if cfg.max_pending_episodes is not None and placement.parent is None:
-                waiting = await repo.pending_episodes(s, run.id)
+                waiting = await pending_episodes(s, run.id)
                 if waiting >= cfg.max_pending_episodes:
                     # Online traffic must not outrun training: past this many waiting
                     # episodes, new conversations wait (later turns of open ones go on).

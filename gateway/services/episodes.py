@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.errors import InvalidRequest
+from gateway.store.completions import find_by_conv_hash
 from gateway.store.models import Completion
 
 MAX_ID_LENGTH = 100
@@ -118,14 +118,9 @@ async def find_parent(
     for end in range(len(messages) - 1, 0, -1):
         if messages[end - 1].get("role") != "assistant":
             continue
-        stmt = select(Completion).where(
-            Completion.run_id == run_id,
-            Completion.conv_hash == conversation_hash(messages[:end]),
-            Completion.created_at >= since,
+        hit = await find_by_conv_hash(
+            session, run_id, conversation_hash(messages[:end]), since, episode_id
         )
-        if episode_id is not None:
-            stmt = stmt.where(Completion.episode_id == episode_id)
-        hit = (await session.execute(stmt.order_by(Completion.created_at.desc()).limit(1))).scalar()
         if hit is not None:
             return hit
     return None

@@ -25,14 +25,14 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Select, and_, exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.store.models import Completion, Episode
-from gateway.store.repo import as_utc
+from gateway.store.completions import episode_completions
+from gateway.store.episodes import episode_page
+from gateway.store.models import Completion, Episode, as_utc
+from gateway.store.status import EpisodeStatus
 
 ExportFormat = Literal["jsonl", "parquet"]
-EpisodeStatus = Literal["open", "rewarded", "queued", "trained", "dropped"]
 
 JSONL_MEDIA_TYPE = "application/x-ndjson"
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
@@ -122,47 +122,23 @@ class ExportService:
         after: tuple[datetime, str] | None = None
         while True:
             async with self.sessions() as s:
-                episodes = list((await s.execute(self._page_query(run_id, filt, after))).scalars())
+                episodes = await episode_page(
+                    s,
+                    run_id,
+                    limit=self.page_size,
+                    after=after,
+                    status=filt.status,
+                    min_version=filt.min_version,
+                )
                 if not episodes:
                     return
-                rows = await s.execute(
-                    select(Completion)
-                    .where(
-                        Completion.run_id == run_id,
-                        Completion.episode_id.in_([e.id for e in episodes]),
-                    )
-                    .order_by(Completion.created_at, Completion.id)
-                )
                 by_episode: dict[str, list[Completion]] = defaultdict(list)
-                for c in rows.scalars():
+                for c in await episode_completions(s, run_id, [e.id for e in episodes]):
                     by_episode[c.episode_id].append(c)
             yield [episode_record(e, by_episode[e.id]) for e in episodes]
             if len(episodes) < self.page_size:
                 return
             after = (episodes[-1].created_at, episodes[-1].id)
-
-    def _page_query(
-        self, run_id: str, filt: ExportFilter, after: tuple[datetime, str] | None
-    ) -> Select:
-        stmt = select(Episode).where(Episode.run_id == run_id)
-        if filt.status is not None:
-            stmt = stmt.where(Episode.status == filt.status)
-        if filt.min_version is not None:
-            older = exists().where(
-                Completion.run_id == Episode.run_id,
-                Completion.episode_id == Episode.id,
-                Completion.policy_version < filt.min_version,
-            )
-            stmt = stmt.where(~older)
-        if after is not None:
-            created, last_id = after
-            stmt = stmt.where(
-                or_(
-                    Episode.created_at > created,
-                    and_(Episode.created_at == created, Episode.id > last_id),
-                )
-            )
-        return stmt.order_by(Episode.created_at, Episode.id).limit(self.page_size)
 
     async def jsonl(self, run_id: str, filt: ExportFilter) -> AsyncIterator[bytes]:
         """One JSON object per line per episode; one chunk per page."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import ApiKeyCreated, ApiKeyPublic
+from gateway.store.keys import run_keys
 from gateway.store.models import ApiKey, Run
 
 
@@ -41,10 +41,7 @@ class KeyService:
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
-            rows = await s.execute(
-                select(ApiKey).where(ApiKey.run_id == run_id).order_by(ApiKey.id)
-            )
-            return [_public(r) for r in rows.scalars()]
+            return [_public(r) for r in await run_keys(s, run_id)]
 
     async def revoke(self, run_id: str, key_id: int) -> ApiKeyPublic:
         """Takes effect on the next request: every call looks its key up in the store."""

@@ -228,6 +228,8 @@ class ResponseStream:
         chunks = self.chat.chunks()
         try:
             async for chunk in chunks:
+                if "error" in chunk:  # the chat stream's in-stream error: the backend broke
+                    raise BackendError(chunk["error"]["message"])
                 if not chunk.get("choices"):
                     continue
                 choice = chunk["choices"][0]
@@ -345,25 +347,14 @@ class ResponseStream:
         events = []
         for index, item in enumerate(self.output):
             if isinstance(item, OutputMessage):
-                text = item.content[0].text
+                part = item.content[0]
+                # Both events name the same content part: the message's one output_text.
+                where = {"item_id": item.id, "output_index": index, "content_index": 0}
                 events.append(
-                    self.event(
-                        "response.output_text.done",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                        logprobs=[],
-                    )
+                    self.event("response.output_text.done", **where, text=part.text, logprobs=[])
                 )
                 events.append(
-                    self.event(
-                        "response.content_part.done",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        part=item.content[0].model_dump(),
-                    )
+                    self.event("response.content_part.done", **where, part=part.model_dump())
                 )
                 item.status = "incomplete" if incomplete else "completed"
             else:

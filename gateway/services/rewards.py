@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.protocol import RewardAck, RewardRequest
-from gateway.store import repo
+from gateway.store.episodes import refresh_episode_status
 from gateway.store.models import Completion, Episode, Reward, Run
+from gateway.store.rewards import reward_by_idempotency_key
+from gateway.store.runs import bump_counter
+from gateway.store.status import PENDING_EPISODE
 from trainer.config import RunConfig
 
 
@@ -107,17 +109,17 @@ class RewardService:
             idempotency_key=body.idempotency_key,
         )
         s.add(row)
-        if episode.status in ("open", "rewarded"):
+        if episode.status in PENDING_EPISODE:
             if completion is not None:
                 completion.reward = body.reward
             else:
                 episode.reward = body.reward
             await s.flush()
-            await repo.refresh_episode_status(s, episode)
+            await refresh_episode_status(s, episode)
         else:
             # Late: the episode is already queued, trained or dropped. Stored, not trained.
             run_row = await s.get(Run, run.id)
-            repo.bump_counter(run_row, "late_rewards")
+            bump_counter(run_row, "late_rewards")
         await s.flush()
         return RewardAck(
             id=row.id,
@@ -130,13 +132,7 @@ class RewardService:
 
     async def _replay(self, run: Run, body: RewardRequest) -> RewardAck | None:
         async with self.sessions() as s:
-            prior = (
-                await s.execute(
-                    select(Reward).where(
-                        Reward.run_id == run.id, Reward.idempotency_key == body.idempotency_key
-                    )
-                )
-            ).scalar_one_or_none()
+            prior = await reward_by_idempotency_key(s, run.id, body.idempotency_key)
             if prior is None:
                 return None
             same = (

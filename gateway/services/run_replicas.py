@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.protocol import ReplicaPublic
-from gateway.services.backends import REMOTE_BACKENDS, BackendPool
+from gateway.services.backends import BackendPool
 from gateway.store.models import Run, RunReplica
+from gateway.store.replicas import remove_replica, replica_urls
+from inference import registry
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ReplicaService:
         run = await s.get(Run, run_id)
         if run is None:
             raise NotFound(f"no run {run_id!r}", param="run_id")
-        if run.backend not in REMOTE_BACKENDS:
+        if run.backend not in registry.remote_names():
             raise InvalidRequest(
                 f"run {run_id} uses the {run.backend} backend, which has no replicas",
                 param="run_id",
@@ -71,10 +72,8 @@ class ReplicaService:
         url = normalize_url(url)
         async with self.sessions.begin() as s:
             await self._remote_run(s, run_id)
-            row = await s.get(RunReplica, (run_id, url))
-            if row is None:
+            if not await remove_replica(s, run_id, url):
                 raise NotFound(f"{url} is not a replica of run {run_id}", param="url")
-            await s.delete(row)
         await self.pool.remove_replica(run_id, url)
         logger.info("run %s: replica %s removed", run_id, url)
         return await self.list(run_id)
@@ -83,15 +82,7 @@ class ReplicaService:
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
-            urls = list(
-                (
-                    await s.execute(
-                        select(RunReplica.url)
-                        .where(RunReplica.run_id == run_id)
-                        .order_by(RunReplica.created_at)
-                    )
-                ).scalars()
-            )
+            urls = await replica_urls(s, run_id)
         return public_replicas(urls, self.pool.replica_status(run_id))
 
 

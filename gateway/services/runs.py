@@ -7,16 +7,19 @@ import uuid
 from pathlib import Path
 
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
-from gateway.services.backends import REMOTE_BACKENDS, BackendPool
+from gateway.services.backends import BackendPool
 from gateway.services.run_replicas import normalize_url, public_replicas
-from gateway.store import repo
-from gateway.store.models import ApiKey, PolicyVersion, Run, RunReplica, TrainStep
+from gateway.store.completions import call_stats
+from gateway.store.models import ApiKey, PolicyVersion, Run, RunReplica
+from gateway.store.replicas import replica_urls
+from gateway.store.runs import list_runs
+from gateway.store.steps import run_steps
+from inference import registry
 from inference.models import resolve_model
 from trainer.config import RunConfig
 from trainer.engine_check import engine_unavailable
@@ -49,8 +52,9 @@ class RunService:
             model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequest(str(exc), param="model") from exc
-        if body.replicas and body.backend not in REMOTE_BACKENDS:
-            raise InvalidRequest("replicas need backend vllm or sglang", param="replicas")
+        if body.replicas and body.backend not in registry.remote_names():
+            kinds = " or ".join(registry.remote_names())
+            raise InvalidRequest(f"replicas need backend {kinds}", param="replicas")
         urls = list(dict.fromkeys(normalize_url(u, "replicas") for u in body.replicas))
         run_id = "run_" + uuid.uuid4().hex[:16]
         key = new_key()
@@ -77,12 +81,8 @@ class RunService:
     async def public(self, run: Run, base_url: str) -> RunPublic:
         serving = self.pool.loaded().get(run.id)
         async with self.sessions() as s:
-            links, drift = await repo.call_stats(s, run.id)
-            urls = list(
-                (
-                    await s.execute(select(RunReplica.url).where(RunReplica.run_id == run.id))
-                ).scalars()
-            )
+            links, drift = await call_stats(s, run.id)
+            urls = await replica_urls(s, run.id)
         return RunPublic(
             calls_by_link=links,
             template_drift=drift,
@@ -130,16 +130,12 @@ class RunService:
 
     async def list(self) -> list[Run]:
         async with self.sessions() as s:
-            return list((await s.execute(select(Run).order_by(Run.created_at))).scalars())
+            return await list_runs(s)
 
     async def steps(self, run_id: str) -> list[TrainStepPublic]:
         await self.get(run_id)
         async with self.sessions() as s:
-            rows = (
-                await s.execute(
-                    select(TrainStep).where(TrainStep.run_id == run_id).order_by(TrainStep.step)
-                )
-            ).scalars()
+            rows = await run_steps(s, run_id)
             return [
                 TrainStepPublic(
                     step=r.step,

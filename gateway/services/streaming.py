@@ -16,12 +16,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import anyio
 
 from gateway.errors import Unavailable
+from gateway.protocol import Usage
 from gateway.services.completions import ChatService, Prepared, finish_reason
+from gateway.store.models import Completion
 from inference.backend import BackendError, TokenStream
 from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 
@@ -80,13 +83,19 @@ class IncrementalDecoder:
         return piece
 
 
-class ChatStream:
-    """One streaming call: `chunks()` yields JSON-ready chunk dicts."""
+class BackendStream:
+    """What chat and text streaming share; subclasses yield their chunks from `_chunks()`.
 
-    def __init__(self, chat: ChatService, prep: Prepared) -> None:
+    The backend stream starts in `__init__`, so a failure to start is a plain 503 before
+    any byte is sent; `chunks()` turns a later failure into OpenAI's in-stream error event
+    and, if the completion was not stored (a disconnect or that failure), keeps what was
+    sampled via `keep_partial`.
+    """
+
+    def __init__(self, chat: ChatService, prep: Prepared, completion_id: str) -> None:
         self.chat = chat
         self.prep = prep
-        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.id = completion_id
         self.created = int(time.time())
         try:
             self.stream: TokenStream = prep.serving.backend.start_stream(
@@ -99,6 +108,47 @@ class ChatStream:
         opts = prep.req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.stored = False
+
+    def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async with aclosing(self._chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except BackendError as exc:
+            # The backend died after this stream had tokens (a replica set retries only
+            # before the first one): end with OpenAI's in-stream error event; nothing is stored.
+            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
+            yield Unavailable(
+                "the inference backend failed mid-stream; retry the request",
+                code="backend_unavailable",
+            ).body()
+        finally:
+            if not self.stored:
+                await keep_partial(self.stream, self._store, self.id)
+
+    def usage_chunk(self, chunk: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
+        """The last chunk when `stream_options.include_usage` is set: `chunk` with no choices."""
+        n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
+        usage = Usage(
+            prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
+        )
+        return {**chunk, "choices": [], "usage": usage.model_dump()}
+
+    async def _store(self, result: GenerateResult) -> Completion:
+        row = self.chat.completion_row(self.prep, self.id, None, result)
+        await self.chat.store([row], self.prep.placement.group_id)
+        self.stored = True
+        return row
+
+
+class ChatStream(BackendStream):
+    """One streaming call: `chunks()` yields JSON-ready chunk dicts."""
+
+    def __init__(self, chat: ChatService, prep: Prepared) -> None:
+        super().__init__(chat, prep, "chatcmpl-" + uuid.uuid4().hex)
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> dict:
         chunk = {
@@ -123,56 +173,32 @@ class ChatStream:
         tok = self.prep.serving.template.tokenizer
         return {"content": [{"token": tok.decode([t]), "logprob": lp} for t, lp in pending]}
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         decoder = IncrementalDecoder(self.prep.serving.template.decode, self.prep.params.stop)
-        try:
-            yield self._chunk({"role": "assistant", "content": ""})
-            pending: list[tuple[int, float]] = []
-            # With tools offered, text may turn out to be a tool call: it is held back and
-            # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
-            tools = self.prep.tool_parser is not None or self.prep.reasoning
-            async for token, logprob in self.stream.tokens():
-                pending.append((token, logprob))
-                piece = decoder.push(token)
-                if piece and not tools:
-                    yield self._chunk({"content": piece}, logprobs=self._logprobs(pending))
-                    pending = []
-            result = await self.stream.result()
-            rest = decoder.flush()
-            row = await self._store(result)
-            if tools:
-                if row.reasoning_content:
-                    yield self._chunk({"reasoning_content": row.reasoning_content})
-                if row.content or pending:
-                    yield self._chunk({"content": row.content}, logprobs=self._logprobs(pending))
-                for i, call in enumerate(row.tool_calls or []):
-                    yield self._chunk({"tool_calls": [{"index": i, **call}]})
-            elif rest or pending:
-                yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
-            yield self._chunk({}, finish_reason(row))
-            if self.include_usage:
-                n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
-                usage = {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": n_out,
-                    "total_tokens": n_prompt + n_out,
-                }
-                yield {**self._chunk({}), "choices": [], "usage": usage}
-            logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
-        except BackendError as exc:
-            # The backend died after this stream had tokens (a replica set retries only
-            # before the first one): end with OpenAI's in-stream error event; nothing is stored.
-            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
-            yield Unavailable(
-                "the inference backend failed mid-stream; retry the request",
-                code="backend_unavailable",
-            ).body()
-        finally:
-            if not self.stored:
-                await keep_partial(self.stream, self._store, self.id)
-
-    async def _store(self, result: GenerateResult):
-        row = self.chat.completion_row(self.prep, self.id, None, result)
-        await self.chat.store([row], self.prep.placement.group_id)
-        self.stored = True
-        return row
+        yield self._chunk({"role": "assistant", "content": ""})
+        pending: list[tuple[int, float]] = []
+        # With tools offered, text may turn out to be a tool call: it is held back and
+        # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
+        tools = self.prep.tool_parser is not None or self.prep.reasoning
+        async for token, logprob in self.stream.tokens():
+            pending.append((token, logprob))
+            piece = decoder.push(token)
+            if piece and not tools:
+                yield self._chunk({"content": piece}, logprobs=self._logprobs(pending))
+                pending = []
+        result = await self.stream.result()
+        rest = decoder.flush()
+        row = await self._store(result)
+        if tools:
+            if row.reasoning_content:
+                yield self._chunk({"reasoning_content": row.reasoning_content})
+            if row.content or pending:
+                yield self._chunk({"content": row.content}, logprobs=self._logprobs(pending))
+            for i, call in enumerate(row.tool_calls or []):
+                yield self._chunk({"tool_calls": [{"index": i, **call}]})
+        elif rest or pending:
+            yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
+        yield self._chunk({}, finish_reason(row))
+        if self.include_usage:
+            yield self.usage_chunk(self._chunk({}), result)
+        logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))

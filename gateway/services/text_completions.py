@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,11 +27,11 @@ from gateway.protocol_legacy import (
 )
 from gateway.services.completions import ChatService, Prepared, sampling_params
 from gateway.services.episodes import EpisodeRef, explicit_ids, place
-from gateway.services.streaming import IncrementalDecoder, keep_partial
+from gateway.services.streaming import BackendStream, IncrementalDecoder
 from gateway.store.models import Completion, Run
-from inference.backend import BackendError, TokenStream
+from inference.backend import BackendError
 from inference.chat_template import ChatTemplate
-from inference.types import GenerateRequest, GenerateResult
+from inference.types import GenerateRequest
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -149,7 +148,7 @@ class TextCompletionService:
         )
 
 
-class TextStream:
+class TextStream(BackendStream):
     """One streaming text completion: `chunks()` yields JSON-ready `text_completion` dicts.
 
     Same ordering as chat streaming (`gateway.services.streaming`): the echoed
@@ -159,22 +158,8 @@ class TextStream:
     """
 
     def __init__(self, chat: ChatService, prep: Prepared) -> None:
-        self.chat = chat
-        self.prep = prep
+        super().__init__(chat, prep, new_id())
         self.req: CompletionRequest = prep.req  # type: ignore[assignment]
-        self.id = new_id()
-        self.created = int(time.time())
-        try:
-            self.stream: TokenStream = prep.serving.backend.start_stream(
-                GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
-            )
-        except BackendError as exc:  # e.g. no healthy replica: before any byte is sent
-            raise Unavailable(
-                "the inference backend failed; retry the request", code="backend_unavailable"
-            ) from exc
-        opts = self.req.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
-        self.stored = False
 
     def _chunk(self, text: str, logprobs: CompletionLogprobs | None = None, finish=None) -> dict:
         chunk: dict[str, Any] = {
@@ -206,50 +191,31 @@ class TextStream:
             add_token(out, self.prep.serving.template, token, lp, offset)
         return out
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         template = self.prep.serving.template
         decoder = IncrementalDecoder(template.decode, self.prep.params.stop)
         echo = self.prep.messages[0]["content"] if self.req.echo else ""
-        try:
-            if echo:
-                lps = None
-                if self.req.logprobs is not None:
-                    lps = CompletionLogprobs(tokens=[], token_logprobs=[], text_offset=[])
-                    add_prompt_logprobs(lps, template, self.prep.prompt_ids)
-                yield self._chunk(echo, lps)
-            pending: list[tuple[int, float, int]] = []
-            async for token, logprob in self.stream.tokens():
-                pending.append((token, logprob, len(echo) + len(decoder.sent)))
-                piece = decoder.push(token)
-                if piece:
-                    yield self._chunk(piece, self._logprobs(pending))
-                    pending = []
-            result = await self.stream.result()
-            rest = decoder.flush()
-            if rest or pending:
-                yield self._chunk(rest, self._logprobs(pending))
-            await self._store(result)
-            yield self._chunk("", finish=finish_reason(result.finish_reason))
-            if self.include_usage:
-                n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
-                usage = Usage(
-                    prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
-                )
-                yield {**self._chunk(""), "choices": [], "usage": usage.model_dump()}
-        except BackendError as exc:  # after tokens were sampled: OpenAI's in-stream error event
-            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
-            yield Unavailable(
-                "the inference backend failed mid-stream; retry the request",
-                code="backend_unavailable",
-            ).body()
-        finally:
-            if not self.stored:
-                await keep_partial(self.stream, self._store, self.id)
-
-    async def _store(self, result: GenerateResult) -> None:
-        row = ChatService.completion_row(self.prep, self.id, None, result)
-        await self.chat.store([row], self.prep.placement.group_id)
-        self.stored = True
+        if echo:
+            lps = None
+            if self.req.logprobs is not None:
+                lps = CompletionLogprobs(tokens=[], token_logprobs=[], text_offset=[])
+                add_prompt_logprobs(lps, template, self.prep.prompt_ids)
+            yield self._chunk(echo, lps)
+        pending: list[tuple[int, float, int]] = []
+        async for token, logprob in self.stream.tokens():
+            pending.append((token, logprob, len(echo) + len(decoder.sent)))
+            piece = decoder.push(token)
+            if piece:
+                yield self._chunk(piece, self._logprobs(pending))
+                pending = []
+        result = await self.stream.result()
+        rest = decoder.flush()
+        if rest or pending:
+            yield self._chunk(rest, self._logprobs(pending))
+        await self._store(result)
+        yield self._chunk("", finish=finish_reason(result.finish_reason))
+        if self.include_usage:
+            yield self.usage_chunk(self._chunk(""), result)
 
 
 def new_id() -> str:

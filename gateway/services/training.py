@@ -9,13 +9,21 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from celery import Celery
-from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.services.backends import BackendPool, RunServing
-from gateway.store import repo
-from gateway.store.models import Episode, Run, TrainStep
+from gateway.services.batch_policy import BatchConfig, BatchDecision, select_batch
+from gateway.store.episodes import (
+    apply_batch_decision,
+    batch_snapshot,
+    mark_queued,
+    release_step_episodes,
+)
+from gateway.store.models import Run, TrainStep, as_utc
+from gateway.store.runs import active_run_ids, checkpoint_of, claim_signature, lock_run_for_claim
+from gateway.store.status import StepStatus
+from gateway.store.steps import delete_step, step_busy, step_in_flight
 from trainer.config import RunConfig
 from trainer.submit import submit_train_step
 
@@ -30,10 +38,11 @@ class TrainingScheduler:
     The step row (run, step) is the lock: its primary key makes a second
     enqueue of the same step fail, and its status says whether one is in flight.
 
-    A full pass (`repo.select_batch`) reads every open episode of the run under
-    the claim's lock. A pass that found nothing to train records the run's
-    signature (status, version, rewarded episodes); while that is unchanged,
-    later passes skip the full read for up to `full_scan_s`. New rewards, a new
+    A full pass (`_decide`) reads every open episode of the run under the
+    claim's lock, lets `batch_policy.select_batch` judge them and stores the
+    verdicts. A pass that found nothing to train records the run's signature
+    (status, version, rewarded episodes); while that is unchanged, later
+    passes skip the full read for up to `full_scan_s`. New rewards, a new
     version or a resumed run change it and are acted on at the next pass; what
     only time changes (episode expiry, group timeouts) waits at most `full_scan_s`.
     """
@@ -86,20 +95,20 @@ class TrainingScheduler:
         # reward posted meanwhile) there is nothing to claim, and taking the write lock on
         # each pass would starve the trainer's own commit of that step.
         async with self.sessions() as s:
-            if await repo.step_busy(s, run_id, now - timedelta(seconds=self.step_timeout_s)):
+            if await step_busy(s, run_id, now - timedelta(seconds=self.step_timeout_s)):
                 return None
-            signature = await repo.claim_signature(s, run_id)
+            signature = await claim_signature(s, run_id)
         idle = self._idle.get(run_id)
         if idle and idle[0] == signature and time.monotonic() - idle[1] < self.full_scan_s:
             return None  # nothing changed since a pass that found nothing
         self._idle.pop(run_id, None)
         async with self.sessions.begin() as s:
-            run = await repo.lock_run_for_claim(s, run_id)  # one consistent view, see there
+            run = await lock_run_for_claim(s, run_id)  # one consistent view, see there
             if run is None or run.status != "active":
                 return None
-            flight = await repo.step_in_flight(s, run_id)
+            flight = await step_in_flight(s, run_id)
             if flight is not None:
-                since = repo.as_utc(flight.enqueued_at or flight.created_at)
+                since = as_utc(flight.enqueued_at or flight.created_at)
                 if (now - since).total_seconds() < self.step_timeout_s:
                     return None
                 flight.enqueued_at = now
@@ -111,19 +120,18 @@ class TrainingScheduler:
                     "step %d of run %s went quiet; sending it again", flight.step, run_id
                 )
                 return flight.step, True
-            cfg = RunConfig.model_validate(run.config)
-            self.full_passes += 1
-            batch = await repo.select_batch(s, run, cfg)
-            if not batch:
+            decision = await self._decide(s, run)
+            if not decision.chosen:
                 self._idle[run_id] = (signature, time.monotonic())
                 return None
+            batch = decision.episode_ids
             step = run.current_version
-            n_groups = len({e.group_id for e in batch})
+            n_groups = len({g.train_group_id for g in decision.chosen})
             row = await s.get(TrainStep, (run_id, step))
             if row is None:
                 row = TrainStep(run_id=run_id, step=step, metrics={"attempts": 1})
                 s.add(row)
-            elif row.status != "failed":
+            elif row.status != StepStatus.FAILED:
                 # Cannot happen under the claim's lock (the step of the current version is
                 # either missing, failed or in flight); kept as a guard: never re-queue a row
                 # the trainer may own.
@@ -138,29 +146,42 @@ class TrainingScheduler:
                 row.metrics = {"attempts": attempts + 1, "last_error": row.error}
             row.enqueued_at = now
             row.status, row.n_episodes, row.n_groups, row.error = (
-                "queued",
+                StepStatus.QUEUED,
                 len(batch),
                 n_groups,
                 None,
             )
             await s.flush()
-            await repo.mark_queued(s, run_id, batch, step)
+            await mark_queued(s, run_id, batch, step)
             return step, False
+
+    async def _decide(self, s: AsyncSession, run: Run) -> BatchDecision:
+        """One full pass: read the pending episodes, judge them, store the verdicts.
+
+        The expiries and drops are stored even when nothing trains yet.
+        """
+        self.full_passes += 1
+        cfg = BatchConfig.from_run_config(RunConfig.model_validate(run.config))
+        snapshot = await batch_snapshot(s, run.id)
+        decision = select_batch(snapshot, run.current_version, datetime.now(UTC), cfg)
+        await apply_batch_decision(
+            s,
+            run,
+            expired=decision.expired,
+            dropped=[episode_id for episode_id, _reason in decision.dropped],
+            regrouped=decision.regrouped,
+            counters=decision.counters,
+        )
+        return decision
 
     async def _release(self, run_id: str, step: int) -> None:
         async with self.sessions.begin() as s:
-            await s.execute(
-                update(Episode)
-                .where(Episode.run_id == run_id, Episode.train_step == step)
-                .values(status="rewarded", train_step=None)
-            )
-            row = await s.get(TrainStep, (run_id, step))
-            if row is not None:
-                await s.delete(row)
+            await release_step_episodes(s, run_id, step)
+            await delete_step(s, run_id, step)
 
     async def active_runs(self) -> list[str]:
         async with self.sessions() as s:
-            return list((await s.execute(select(Run.id).where(Run.status == "active"))).scalars())
+            return await active_run_ids(s)
 
 
 class WeightSync:
@@ -177,7 +198,7 @@ class WeightSync:
 
     For vllm/sglang runs the backend is a `ReplicaSet`: its `load_weights`
     rolls N+1 across the servers one at a time (the others keep serving), and
-    each server drains before it reloads (`inference/vllm_http.py`), so the
+    each server drains before it reloads (`inference/http_backend.py`), so the
     guarantee above holds per server; until the roll ends, completions from
     different servers may carry N or N+1, each labelled with its own.
     """
@@ -207,7 +228,7 @@ class WeightSync:
             if run is None or run.current_version <= serving.backend.version:
                 return
             target = run.current_version
-            ckpt = await repo.checkpoint_of(s, run_id, target)
+            ckpt = await checkpoint_of(s, run_id, target)
         if ckpt is None:
             return
         await serving.backend.load_weights(Path(ckpt), target)

@@ -1,4 +1,7 @@
-"""SQLAlchemy 2 models. The Alembic migrations in `migrations/` create these tables."""
+"""SQLAlchemy 2 models of rlgate's tables; the Alembic migrations in `migrations/` create them.
+
+The Responses API's own table is declared in `gateway.store.responses`, on the same `Base`.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +23,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from gateway.store.status import EpisodeStatus, StepStatus
 from gateway.store.types import FloatArray, IntArray
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite returns naive datetimes; every time stored here is UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 class Base(DeclarativeBase):
@@ -39,7 +48,7 @@ class Run(Base):
     model: Mapped[str] = mapped_column(String(500))  # alias or path as given
     model_path: Mapped[str] = mapped_column(String(1000))  # resolved HF directory
     backend: Mapped[str] = mapped_column(String(20), default="local")
-    status: Mapped[str] = mapped_column(String(20), default="active")
+    status: Mapped[str] = mapped_column(String(20), default="active")  # paused, stopped, failed
     config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     current_version: Mapped[int] = mapped_column(Integer, default=0)
     counters: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -77,7 +86,8 @@ class PolicyVersion(Base):
 
 
 class Episode(Base):
-    """One attempt at a task. Ids are chosen by the caller, so they are unique per run only."""
+    """One attempt at a task. Ids come from the caller (path, header, metadata) or are drawn
+    by the gateway (`ep-<hex>`), so they are unique per run only."""
 
     __tablename__ = "episodes"
     __table_args__ = (Index("ix_episodes_run_status", "run_id", "status"),)
@@ -85,8 +95,8 @@ class Episode(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     id: Mapped[str] = mapped_column(String(100), primary_key=True)
     group_id: Mapped[str] = mapped_column(String(100))
-    # open -> rewarded -> queued -> trained; or dropped (stale, zero-variance group)
-    status: Mapped[str] = mapped_column(String(20), default="open")
+    # open -> rewarded -> queued -> trained, or expired / dropped (see EpisodeStatus)
+    status: Mapped[str] = mapped_column(String(20), default=EpisodeStatus.OPEN)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     train_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -132,7 +142,8 @@ class Completion(Base):
 
 
 class Reward(Base):
-    """Every acknowledged reward post, as received (the audit trail)."""
+    """Every stored reward post, as received (the audit trail). A retry with an idempotency
+    key already seen is acknowledged as a duplicate and not stored again."""
 
     __tablename__ = "rewards"
     __table_args__ = (UniqueConstraint("run_id", "idempotency_key", name="uq_rewards_idem"),)
@@ -151,8 +162,8 @@ class TrainStep(Base):
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)  # trains version step -> step+1
-    # queued -> running -> done | failed
-    status: Mapped[str] = mapped_column(String(20), default="queued")
+    # queued -> running -> done | failed (see StepStatus)
+    status: Mapped[str] = mapped_column(String(20), default=StepStatus.QUEUED)
     n_episodes: Mapped[int] = mapped_column(Integer, default=0)
     n_groups: Mapped[int] = mapped_column(Integer, default=0)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -24,8 +24,8 @@ import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session
 
+from gateway.services import training
 from gateway.services.training import TrainingScheduler
-from gateway.store import repo
 from gateway.store.db import make_async_engine, make_sync_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Run, TrainStep
@@ -61,13 +61,13 @@ def _claim_with_hook(
 ) -> tuple[int | None, list[str]]:
     """Run one claim; the hook records what the trainer's no-wait commit did inside it."""
     seen: list[str] = []
-    original = repo.step_in_flight
+    original = training.step_in_flight
 
     async def hooked(session, run_id):
         seen.append(trainer_commit())
         return await original(session, run_id)
 
-    monkeypatch.setattr(repo, "step_in_flight", hooked)
+    monkeypatch.setattr(training, "step_in_flight", hooked)
 
     async def claim() -> int | None:
         engine = make_async_engine(url)
@@ -122,7 +122,7 @@ def test_a_busy_step_is_seen_without_taking_the_lock(tmp_path: Path, monkeypatch
     async def no_lock(session, run_id):
         raise AssertionError("the claim took the lock with a step in flight")
 
-    monkeypatch.setattr(repo, "lock_run_for_claim", no_lock)
+    monkeypatch.setattr(training, "lock_run_for_claim", no_lock)
     step, _ = _claim_with_hook(url, monkeypatch, lambda: "unused", tmp_path)
     assert step is None
 

@@ -1,0 +1,256 @@
+"""Episodes: the sampling side's counts and pages, and the status moves of a train step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Select, Update, and_, exists, func, insert, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from gateway.store.models import Completion, Episode, Run, as_utc
+from gateway.store.runs import bump_counter
+from gateway.store.status import PENDING_EPISODE, EpisodeStatus
+
+
+async def pending_episodes(session: AsyncSession, run_id: str) -> int:
+    """Episodes sampled but not yet queued for training (open or rewarded)."""
+    stmt = select(func.count()).where(Episode.run_id == run_id, Episode.status.in_(PENDING_EPISODE))
+    return int((await session.execute(stmt)).scalar_one())
+
+
+async def episodes_by_status(session: AsyncSession, run_id: str) -> dict[str, int]:
+    stmt = (
+        select(Episode.status, func.count())
+        .where(Episode.run_id == run_id)
+        .group_by(Episode.status)
+    )
+    return {str(k): int(v) for k, v in (await session.execute(stmt)).all()}
+
+
+async def episode_counts(session: AsyncSession) -> dict[tuple[str, str], int]:
+    """(run, status) -> episodes, over every run."""
+    stmt = select(Episode.run_id, Episode.status, func.count()).group_by(
+        Episode.run_id, Episode.status
+    )
+    return {(r, st): int(n) for r, st, n in (await session.execute(stmt)).all()}
+
+
+async def episodes_by_key(
+    session: AsyncSession, keys: set[tuple[str, str]]
+) -> dict[tuple[str, str], Episode]:
+    """The stored episodes among `keys` (run id, episode id), in one query."""
+    if not keys:
+        return {}
+    runs, ids = {r for r, _ in keys}, {e for _, e in keys}
+    stmt = select(Episode).where(Episode.run_id.in_(runs), Episode.id.in_(ids))
+    found = (await session.execute(stmt)).scalars()
+    return {(ep.run_id, ep.id): ep for ep in found if (ep.run_id, ep.id) in keys}
+
+
+async def insert_episodes(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
+    """Core executemany on the session's connection (see `completions.insert_completions`)."""
+    if rows:
+        conn = await session.connection()
+        await conn.execute(insert(Episode.__table__), rows)
+
+
+async def episode_page(
+    session: AsyncSession,
+    run_id: str,
+    *,
+    limit: int,
+    newest_first: bool = False,
+    after: tuple[datetime, str] | None = None,
+    status: str | None = None,
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    sampled_by: int | None = None,
+    min_version: int | None = None,
+) -> list[Episode]:
+    """One keyset page of a run's episodes in `(created_at, id)` order.
+
+    `after` is the `(created_at, id)` of the previous page's last episode.
+    `sampled_by`: a completion was sampled by that version; `min_version`:
+    none was sampled by an older one. Other filters are plain column bounds.
+    """
+    stmt: Select = select(Episode).where(Episode.run_id == run_id)
+    if status is not None:
+        stmt = stmt.where(Episode.status == status)
+    if reward_min is not None:
+        stmt = stmt.where(Episode.reward >= reward_min)
+    if reward_max is not None:
+        stmt = stmt.where(Episode.reward <= reward_max)
+    if sampled_by is not None:
+        stmt = stmt.where(_has_completion(Completion.policy_version == sampled_by))
+    if min_version is not None:
+        stmt = stmt.where(~_has_completion(Completion.policy_version < min_version))
+    if after is not None:
+        created, last_id = after
+        if newest_first:
+            beyond = or_(
+                Episode.created_at < created,
+                and_(Episode.created_at == created, Episode.id < last_id),
+            )
+        else:
+            beyond = or_(
+                Episode.created_at > created,
+                and_(Episode.created_at == created, Episode.id > last_id),
+            )
+        stmt = stmt.where(beyond)
+    order = (Episode.created_at, Episode.id)
+    if newest_first:
+        order = tuple(c.desc() for c in order)
+    return list((await session.execute(stmt.order_by(*order).limit(limit))).scalars())
+
+
+def _has_completion(condition) -> Any:
+    return exists().where(
+        Completion.run_id == Episode.run_id, Completion.episode_id == Episode.id, condition
+    )
+
+
+async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
+    """An episode is ready ("rewarded") once it has an episode reward or all turns have one."""
+    if ep.status != EpisodeStatus.OPEN:
+        return
+    stmt = select(Completion.reward).where(
+        Completion.run_id == ep.run_id, Completion.episode_id == ep.id
+    )
+    rewards = (await session.execute(stmt)).scalars().all()
+    if ep.reward is None and rewards and all(r is not None for r in rewards):
+        ep.reward = float(sum(rewards))
+    if ep.reward is not None:
+        ep.status = EpisodeStatus.REWARDED
+        ep.rewarded_at = datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class EpisodeSnapshot:
+    """What the batch policy (`gateway.services.batch_policy`) knows of one pending episode."""
+
+    id: str
+    group_id: str
+    status: EpisodeStatus  # open or rewarded
+    reward: float | None
+    created_at: datetime  # UTC-aware, like the two below
+    last_call_at: datetime | None  # its newest completion; None: no call yet
+    oldest_version: int | None  # the oldest policy version among its completions
+
+
+async def batch_snapshot(session: AsyncSession, run_id: str) -> list[EpisodeSnapshot]:
+    """The run's open and rewarded episodes, for the claim (call it under the claim's lock)."""
+    stmt = select(
+        Episode.id, Episode.group_id, Episode.status, Episode.reward, Episode.created_at
+    ).where(Episode.run_id == run_id, Episode.status.in_(PENDING_EPISODE))
+    eps = (await session.execute(stmt)).all()
+    if not eps:
+        return []
+    calls = (
+        await session.execute(
+            select(
+                Completion.episode_id,
+                func.min(Completion.policy_version),
+                func.max(Completion.created_at),
+            )
+            .where(Completion.run_id == run_id, Completion.episode_id.in_([e.id for e in eps]))
+            .group_by(Completion.episode_id)
+        )
+    ).all()
+    oldest = {eid: version for eid, version, _ in calls}
+    last_call = {eid: as_utc(at) for eid, _, at in calls}
+    return [
+        EpisodeSnapshot(
+            id=ep.id,
+            group_id=ep.group_id,
+            status=EpisodeStatus(ep.status),
+            reward=ep.reward,
+            created_at=as_utc(ep.created_at),
+            last_call_at=last_call.get(ep.id),
+            oldest_version=oldest.get(ep.id),
+        )
+        for ep in eps
+    ]
+
+
+async def apply_batch_decision(
+    session: AsyncSession,
+    run: Run,
+    *,
+    expired: Iterable[str],
+    dropped: Iterable[str],
+    regrouped: Mapping[str, str],
+    counters: Mapping[str, int],
+) -> None:
+    """Store what the batch policy decided: status moves, pool chunks' group ids, run counters.
+
+    Takes plain values (see `BatchDecision`) so that the store does not depend on the policy.
+    """
+    for status, ids in ((EpisodeStatus.EXPIRED, expired), (EpisodeStatus.DROPPED, dropped)):
+        await _set_status(session, run.id, list(ids), status)
+    for episode_id, group_id in regrouped.items():
+        await session.execute(
+            update(Episode)
+            .where(Episode.run_id == run.id, Episode.id == episode_id)
+            .values(group_id=group_id)
+        )
+    for name, by in counters.items():
+        bump_counter(run, name, by)
+
+
+async def _set_status(
+    session: AsyncSession, run_id: str, ids: list[str], status: EpisodeStatus
+) -> None:
+    if ids:
+        await session.execute(
+            update(Episode)
+            .where(Episode.run_id == run_id, Episode.id.in_(ids))
+            .values(status=status)
+        )
+
+
+async def mark_queued(
+    session: AsyncSession, run_id: str, episode_ids: list[str], step: int
+) -> None:
+    await session.execute(
+        update(Episode)
+        .where(Episode.run_id == run_id, Episode.id.in_(episode_ids))
+        .values(status=EpisodeStatus.QUEUED, train_step=step)
+    )
+
+
+def _step_episodes(run_id: str, step: int, **values: Any) -> Update:
+    return (
+        update(Episode).where(Episode.run_id == run_id, Episode.train_step == step).values(**values)
+    )
+
+
+def _released(run_id: str, step: int) -> Update:
+    return _step_episodes(run_id, step, status=EpisodeStatus.REWARDED, train_step=None)
+
+
+async def release_step_episodes(session: AsyncSession, run_id: str, step: int) -> None:
+    """Hand a step's episodes back to the scheduler (rewarded, no step)."""
+    await session.execute(_released(run_id, step))
+
+
+def release_step_episodes_sync(session: Session, run_id: str, step: int) -> None:
+    """`release_step_episodes` for the trainer's sync session."""
+    session.execute(_released(run_id, step))
+
+
+def mark_step_trained_sync(session: Session, run_id: str, step: int) -> None:
+    session.execute(_step_episodes(run_id, step, status=EpisodeStatus.TRAINED))
+
+
+def step_episodes_sync(session: Session, run_id: str, step: int) -> list[Episode]:
+    """The episodes the scheduler assigned to `step`, by group then id."""
+    stmt = (
+        select(Episode)
+        .where(Episode.run_id == run_id, Episode.train_step == step)
+        .order_by(Episode.group_id, Episode.id)
+    )
+    return list(session.execute(stmt).scalars().all())
