@@ -15,26 +15,28 @@ from gateway.auth_cache import InvalidateOnAdminWrite, RunKeyCache
 from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware
-from gateway.metrics import router as metrics_router
+from gateway.metrics import router as prometheus_router
 from gateway.middleware import BodyLimit
 from gateway.routes import (
-    admin,
-    admin_episodes,
-    admin_metrics,
-    admin_quotas,
-    admin_replicas,
-    admin_runs,
-    completions_legacy,
+    chat,
+    completions,
+    episodes,
     export,
     health,
-    openai_api,
+    keys,
+    metrics,
+    models,
+    quotas,
+    replicas,
     responses,
     rewards,
+    runs,
 )
 from gateway.services.admin_state import close_admin_services, install_admin_services
 from gateway.services.backends import BackendPool
 from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
+from gateway.services.key_quotas import KeyQuotaAdmin
 from gateway.services.keys import KeyService
 from gateway.services.quotas import QuotaMiddleware
 from gateway.services.rewards import RewardService
@@ -89,6 +91,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.keys = KeyService(sessions)
         app.state.replicas = ReplicaService(sessions, pool)
         install_admin_services(app.state, settings, sessions, pool, celery)
+        app.state.key_quotas = KeyQuotaAdmin(app.state.quotas, sessions)
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
@@ -121,20 +124,14 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
 
     app.include_router(health.router)
-    app.include_router(admin_replicas.router)  # before admin's catch-all POST /runs/{id}/{action}
-    app.include_router(admin.router)
-    app.include_router(export.router)
-    app.include_router(admin_runs.router)
-    app.include_router(admin_episodes.router)
-    app.include_router(admin_metrics.router)
-    app.include_router(admin_quotas.router)
-    app.include_router(metrics_router)
+    # Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.
+    for admin in (replicas, keys, runs, export, episodes, metrics, quotas):
+        app.include_router(admin.router)
+    app.include_router(prometheus_router)
     install_dashboard(app)
     for prefix in EPISODE_PREFIXES:
-        app.include_router(openai_api.router, prefix=prefix, include_in_schema=prefix == "")
-        app.include_router(completions_legacy.router, prefix=prefix, include_in_schema=prefix == "")
-        app.include_router(responses.router, prefix=prefix, include_in_schema=prefix == "")
-        app.include_router(rewards.router, prefix=prefix, include_in_schema=prefix == "")
+        for agent in (chat, models, completions, responses, rewards):
+            app.include_router(agent.router, prefix=prefix, include_in_schema=prefix == "")
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:

@@ -1,15 +1,28 @@
-"""FastAPI dependencies: services from app.state, the caller's run, the admin check."""
+"""FastAPI dependencies and the checks routers share: caller's run, admin, model, episode, login."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 
-from gateway.errors import AuthenticationFailed
+from gateway.dashboard.auth import LoginRequired, Session, current_session, require_session
+from gateway.errors import AuthenticationFailed, NotFound
 from gateway.keys import admin_key_matches, hash_key
-from gateway.store import repo
+from gateway.services.episodes import EpisodeRef
+from gateway.store.keys import run_for_key_hash
 from gateway.store.models import Run
+
+logger = logging.getLogger(__name__)
+
+
+class AgentRequest(Protocol):
+    """A chat, text completion or Responses request body, as `check_request` reads it."""
+
+    model: str
+
+    def unknown_fields(self) -> list[str]: ...
 
 
 def _bearer(request: Request) -> str:
@@ -33,7 +46,7 @@ async def current_run(request: Request) -> Run:
     if run is None:
         generation = cache.generation
         async with request.app.state.sessions() as s:
-            run = await repo.run_for_key_hash(s, key_hash)
+            run = await run_for_key_hash(s, key_hash)
         if run is None:
             raise AuthenticationFailed("invalid API key", code="invalid_api_key")
         cache.put(key_hash, run, generation)
@@ -45,5 +58,48 @@ async def require_admin(request: Request) -> None:
         raise AuthenticationFailed("admin credential required", code="invalid_admin_key")
 
 
+def check_request(run: Run, body: AgentRequest, kind: str) -> None:
+    """What every agent request gets first: unknown fields logged and ignored (as OpenAI's
+    clients send fields before rlgate knows them), then its `model` checked against the key's
+    run: the run's name, its model as given, or its id."""
+    if body.unknown_fields():
+        logger.info("ignoring unknown %s fields: %s", kind, body.unknown_fields())
+    if body.model not in (run.name, run.model, run.id):
+        raise NotFound(
+            f"model {body.model!r} is not served for this key; use {run.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def episode_ref(request: Request) -> EpisodeRef:
+    """Path first, then headers; the service falls back to `metadata`, then prefix matching."""
+    p, h = request.path_params, request.headers
+    return EpisodeRef(
+        episode_id=p.get("episode_id") or h.get("x-episode-id") or None,
+        group_id=p.get("group_id") or h.get("x-group-id") or None,
+        source="path" if p.get("episode_id") else "header",
+    )
+
+
+def agent_base_url(request: Request) -> str:
+    """The `base_url` an agent is given: the configured public URL, else the one called."""
+    public = request.app.state.settings.public_url
+    base = public.rstrip("/") if public else str(request.base_url).rstrip("/")
+    return base + "/v1"
+
+
+def dashboard_page(request: Request) -> Session:
+    """A dashboard page's session; without one the browser goes to the login form."""
+    session = current_session(request)
+    if session is None:
+        raise LoginRequired
+    return session
+
+
 RunDep = Annotated[Run, Depends(current_run)]
 AdminDep = Depends(require_admin)
+EpisodeRefDep = Annotated[EpisodeRef, Depends(episode_ref)]
+AgentBaseUrlDep = Annotated[str, Depends(agent_base_url)]
+PageSessionDep = Depends(dashboard_page)
+FeedSessionDep = Depends(require_session)  # a poller has no form to go to: 401, no redirect

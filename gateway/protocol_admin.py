@@ -60,9 +60,6 @@ class RollbackResult(BaseModel):
     rolled_back_from: int
 
 
-EpisodeStatus = Literal["open", "rewarded", "queued", "trained", "dropped", "expired"]
-
-
 class EpisodeSummary(BaseModel):
     episode_id: str
     group_id: str
@@ -140,3 +137,18 @@ class WorkersStatus(BaseModel):
     queue_depth: int | None  # messages waiting in the broker, when it can be asked
     pending_steps: int  # train steps queued or running in the store
     error: str | None = None
+
+
+class KeyLimits(BaseModel):
+    """`null` means unlimited (a key with no limits of its own uses the server defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_min: int | None = Field(None, ge=1, le=10**9)
+    tokens_per_day: int | None = Field(None, ge=1, le=10**15)
+
+
+class KeyQuota(KeyLimits):
+    key_id: int
+    requests_this_min: int
+    tokens_today: int

@@ -30,6 +30,10 @@ SESSION_TTL_S = 12 * 3600
 MAX_FORM_BYTES = 64 * 1024
 
 
+class LoginRequired(Exception):
+    """A page asked for without a session: the dashboard answers with a redirect to its login."""
+
+
 @dataclass(frozen=True)
 class Session:
     csrf: str
@@ -72,6 +76,14 @@ def current_session(request: Request) -> Session | None:
     return request.app.state.dashboard_signer.verify(request.cookies.get(SESSION_COOKIE))
 
 
+def require_session(request: Request) -> Session:
+    """The caller's session, or 401 (what a POST or a JSON feed gets without one)."""
+    session = current_session(request)
+    if session is None:
+        raise AuthenticationFailed("log in to the dashboard first", code="no_session")
+    return session
+
+
 async def read_form(request: Request) -> dict[str, str]:
     """An urlencoded form body (what the dashboard's forms send), first value per field."""
     raw = await request.body()
@@ -92,9 +104,7 @@ def check_csrf(request: Request, form: dict[str, str], expected: str) -> None:
 
 async def session_post(request: Request) -> tuple[Session, dict[str, str]]:
     """A logged-in POST with its form, its CSRF token checked (401 without session, 403 CSRF)."""
-    session = current_session(request)
-    if session is None:
-        raise AuthenticationFailed("log in to the dashboard first", code="no_session")
+    session = require_session(request)
     form = await read_form(request)
     check_csrf(request, form, session.csrf)
     return session, form

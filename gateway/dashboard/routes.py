@@ -22,16 +22,17 @@ from fastapi.templating import Jinja2Templates
 from gateway.dashboard.auth import (
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
-    SessionSigner,
+    LoginRequired,
     check_csrf,
     current_session,
     read_form,
     session_post,
 )
-from gateway.errors import APIError, AuthenticationFailed
+from gateway.deps import AgentBaseUrlDep, FeedSessionDep, PageSessionDep
+from gateway.errors import APIError
 from gateway.keys import admin_key_matches
 from gateway.protocol import RunCreate
-from gateway.routes.admin import agent_base_url
+from gateway.store.status import EpisodeStatus
 
 PREFIX = "/dashboard"
 SECURITY_HEADERS = {
@@ -84,9 +85,6 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
         resp.headers.update(SECURITY_HEADERS)
         return resp
 
-    def logged_in(request: Request) -> bool:
-        return current_session(request) is not None
-
     @router.get("/login")
     async def login_form(request: Request) -> Response:
         token = secrets.token_urlsafe(24)
@@ -113,29 +111,25 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
         resp.delete_cookie(SESSION_COOKIE, path=PREFIX)
         return resp
 
-    @router.get("/")
-    async def runs_page(request: Request) -> Response:
-        if not logged_in(request):
-            return _redirect(f"{PREFIX}/login")
-        return page(request, "runs.html", runs=await _runs_summary(request))
+    @router.get("/", dependencies=[PageSessionDep])
+    async def runs_page(request: Request, base_url: AgentBaseUrlDep) -> Response:
+        return page(request, "runs.html", runs=await _runs_summary(request, base_url))
 
     @router.post("/runs")
-    async def create_run(request: Request) -> Response:
+    async def create_run(request: Request, base_url: AgentBaseUrlDep) -> Response:
         _, form = await session_post(request)
         try:
             config = json.loads(form.get("config") or "{}")
             body = RunCreate(name=form.get("name", ""), model=form.get("model", ""), config=config)
-            created = await request.app.state.runs.create(body, agent_base_url(request))
+            created = await request.app.state.runs.create(body, base_url)
         except (ValueError, APIError) as exc:
             return _redirect(f"{PREFIX}/", _message(exc))
         return page(request, "created.html", run=created.model_dump())
 
-    @router.get("/runs/{run_id}")
-    async def run_page(run_id: str, request: Request) -> Response:
-        if not logged_in(request):
-            return _redirect(f"{PREFIX}/login")
+    @router.get("/runs/{run_id}", dependencies=[PageSessionDep])
+    async def run_page(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> Response:
         st = request.app.state
-        run = await st.runs.public(await st.runs.get(run_id), agent_base_url(request))
+        run = await st.runs.public(await st.runs.get(run_id), base_url)
         q = request.query_params
         filters = {k: q.get(k) or None for k in ("status", "reward_min", "reward_max", "version")}
         try:
@@ -159,17 +153,13 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
             filters=filters,
         )
 
-    @router.get("/runs/{run_id}/episodes/{episode_id}")
+    @router.get("/runs/{run_id}/episodes/{episode_id}", dependencies=[PageSessionDep])
     async def episode_page(run_id: str, episode_id: str, request: Request) -> Response:
-        if not logged_in(request):
-            return _redirect(f"{PREFIX}/login")
         detail = await request.app.state.episode_admin.detail(run_id, episode_id)
         return page(request, "episode.html", run_id=run_id, episode=detail.model_dump())
 
-    @router.get("/runs/{run_id}/keys")
+    @router.get("/runs/{run_id}/keys", dependencies=[PageSessionDep])
     async def keys_page(run_id: str, request: Request) -> Response:
-        if not logged_in(request):
-            return _redirect(f"{PREFIX}/login")
         keys = await request.app.state.keys.list(run_id)
         return page(
             request, "keys.html", run_id=run_id, keys=[k.model_dump() for k in keys], new_key=None
@@ -201,17 +191,16 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
             new_key=created.api_key,
         )
 
-    @router.get("/api/runs")
-    async def runs_feed(request: Request) -> JSONResponse:
-        _require_session(request)
-        return JSONResponse({"runs": await _runs_summary(request)}, headers=SECURITY_HEADERS)
+    @router.get("/api/runs", dependencies=[FeedSessionDep])
+    async def runs_feed(request: Request, base_url: AgentBaseUrlDep) -> JSONResponse:
+        runs = await _runs_summary(request, base_url)
+        return JSONResponse({"runs": runs}, headers=SECURITY_HEADERS)
 
-    @router.get("/api/runs/{run_id}/live")
-    async def run_feed(run_id: str, request: Request) -> JSONResponse:
+    @router.get("/api/runs/{run_id}/live", dependencies=[FeedSessionDep])
+    async def run_feed(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> JSONResponse:
         """What the run page polls: status, versions, metric series, counters."""
-        _require_session(request)
         st = request.app.state
-        run = await st.runs.public(await st.runs.get(run_id), agent_base_url(request))
+        run = await st.runs.public(await st.runs.get(run_id), base_url)
         series = await st.metrics_admin.series(run_id)
         versions = await st.run_admin.versions(run_id)
         counters = await st.metrics_admin.counters(run_id)
@@ -241,11 +230,6 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
     return router
 
 
-def _require_session(request: Request) -> None:
-    if current_session(request) is None:
-        raise AuthenticationFailed("log in to the dashboard first", code="no_session")
-
-
 def _num(value: str | None, kind: type) -> Any:
     return None if value is None else kind(value)
 
@@ -254,12 +238,12 @@ def _message(exc: Exception) -> str:
     return exc.message if isinstance(exc, APIError) else str(exc).splitlines()[0][:300]
 
 
-async def _runs_summary(request: Request) -> list[dict[str, Any]]:
+async def _runs_summary(request: Request, base_url: str) -> list[dict[str, Any]]:
     """Each run with its status, versions, last rewards (sparkline) and last tokens/s."""
     st = request.app.state
     out = []
     for r in await st.runs.list():
-        public = await st.runs.public(r, agent_base_url(request))
+        public = await st.runs.public(r, base_url)
         series = await st.metrics_admin.series(r.id)
         rewards = [p.values["reward_mean"] for p in series.points[-50:]]
         last = series.points[-1].values if series.points else {}
@@ -284,15 +268,17 @@ def install_dashboard(app: FastAPI) -> None:
     """Mount the static files and pages; the session signer is set in the lifespan."""
     root = files("gateway.dashboard")
     templates = Jinja2Templates(directory=str(root / "templates"))
+    templates.env.globals["episode_statuses"] = [s.value for s in EpisodeStatus]  # filter menu
     app.mount(
         f"{PREFIX}/static", StaticFiles(directory=str(root / "static")), name="dashboard-static"
     )
     app.include_router(make_router(templates))
+    app.add_exception_handler(LoginRequired, _to_login)
 
     @app.get(PREFIX, include_in_schema=False)
     async def _bare() -> RedirectResponse:
         return RedirectResponse(f"{PREFIX}/", status_code=307)
 
 
-def make_signer(admin_key: str) -> SessionSigner:
-    return SessionSigner(admin_key)
+async def _to_login(_: Request, __: Exception) -> Response:
+    return _redirect(f"{PREFIX}/login")

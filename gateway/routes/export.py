@@ -14,11 +14,11 @@ from gateway.deps import AdminDep
 from gateway.services.export import (
     JSONL_MEDIA_TYPE,
     PARQUET_MEDIA_TYPE,
-    EpisodeStatus,
     ExportFilter,
     ExportFormat,
     ExportService,
 )
+from gateway.store.status import EpisodeStatus
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from gateway.deps import RunDep
 from gateway.errors import InvalidRequest
 from gateway.protocol import RewardAck, RewardRequest
+from gateway.store.status import EpisodeStatus
 
 router = APIRouter()
 
@@ -33,6 +34,6 @@ async def post_reward(
     if not 0 < len(items) <= MAX_BATCH:
         raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} rewards", param="body")
     acks = await request.app.state.rewards.post_many(run, [_targeted(b, request) for b in items])
-    if any(a.episode_status == "rewarded" for a in acks):
+    if any(a.episode_status == EpisodeStatus.REWARDED for a in acks):
         await request.app.state.scheduler.maybe_schedule(run.id)
     return acks if isinstance(body, list) else acks[0]

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from gateway.deps import AdminDep
-from gateway.protocol_admin import EpisodeDetail, EpisodePage, EpisodeStatus
+from gateway.protocol_admin import EpisodeDetail, EpisodePage
+from gateway.store.status import EpisodeStatus
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 

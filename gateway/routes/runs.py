@@ -1,5 +1,8 @@
-"""Admin API: update and delete runs; policy versions, checkpoint download, rollback.
+"""Admin API (admin credential): runs, their lifecycle, train steps and policy versions.
 
+Pause, resume and stop: a paused or stopped run answers new agent calls with 429
+(`Retry-After`); requests already generating finish and are stored; no new
+train step is scheduled for it (a step already queued or running completes).
 See `gateway.services.admin_runs` for what delete does to in-flight work and
 why rollback creates a new version instead of rewinding.
 """
@@ -9,10 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import StreamingResponse
 
-from gateway.deps import AdminDep
-from gateway.protocol import RunPublic
+from gateway.deps import AdminDep, AgentBaseUrlDep
+from gateway.protocol import RunCreate, RunCreated, RunPublic, RunStatusChange, TrainStepPublic
 from gateway.protocol_admin import PolicyVersionPublic, RollbackResult, RunDeleted, RunUpdate
-from gateway.routes.admin import agent_base_url
 from gateway.services.admin_runs import tar_stream
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
@@ -20,11 +22,30 @@ router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 TAR_MEDIA_TYPE = "application/x-tar"
 
 
+@router.post("/runs", response_model=RunCreated, status_code=201)
+async def create_run(body: RunCreate, request: Request, base_url: AgentBaseUrlDep) -> RunCreated:
+    return await request.app.state.runs.create(body, base_url)
+
+
+@router.get("/runs", response_model=list[RunPublic])
+async def list_runs(request: Request, base_url: AgentBaseUrlDep) -> list[RunPublic]:
+    svc = request.app.state.runs
+    return [await svc.public(r, base_url) for r in await svc.list()]
+
+
+@router.get("/runs/{run_id}", response_model=RunPublic)
+async def get_run(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> RunPublic:
+    svc = request.app.state.runs
+    return await svc.public(await svc.get(run_id), base_url)
+
+
 @router.patch("/runs/{run_id}", response_model=RunPublic)
-async def update_run(run_id: str, body: RunUpdate, request: Request) -> RunPublic:
+async def update_run(
+    run_id: str, body: RunUpdate, request: Request, base_url: AgentBaseUrlDep
+) -> RunPublic:
     """Rename a run and/or change config knobs that are safe live (others get 400)."""
     run = await request.app.state.run_admin.update(run_id, body)
-    return await request.app.state.runs.public(run, agent_base_url(request))
+    return await request.app.state.runs.public(run, base_url)
 
 
 @router.delete("/runs/{run_id}", response_model=RunDeleted)
@@ -32,6 +53,11 @@ async def delete_run(run_id: str, request: Request) -> RunDeleted:
     """Only a stopped (or failed) run with no train step in flight; 409 otherwise."""
     await request.app.state.run_admin.delete(run_id)
     return RunDeleted(run_id=run_id)
+
+
+@router.get("/runs/{run_id}/steps", response_model=list[TrainStepPublic])
+async def list_steps(run_id: str, request: Request) -> list[TrainStepPublic]:
+    return await request.app.state.runs.steps(run_id)
 
 
 @router.get("/runs/{run_id}/versions", response_model=list[PolicyVersionPublic])
@@ -66,3 +92,12 @@ async def rollback(
 ) -> RollbackResult:
     """Serve and train from `version`'s weights again, as a new version N+1."""
     return await request.app.state.run_admin.rollback(run_id, version)
+
+
+# Last here, and this router is included after those of keys and replicas: `{action}` would
+# otherwise capture POST /runs/{id}/keys and POST /runs/{id}/replicas.
+@router.post("/runs/{run_id}/{action}", response_model=RunStatusChange)
+async def change_status(run_id: str, action: str, request: Request) -> RunStatusChange:
+    """pause, resume or stop."""
+    status = await request.app.state.runs.set_status(run_id, action)
+    return RunStatusChange(run_id=run_id, status=status)

@@ -1,0 +1,37 @@
+"""POST /v1/chat/completions, also mounted under path-scoped episode prefixes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from gateway.deps import EpisodeRefDep, RunDep, check_request
+from gateway.errors import InvalidRequest
+from gateway.protocol import ChatCompletion, ChatCompletionRequest
+from gateway.services.streaming import ChatStream
+from gateway.sse import event_stream, sse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    run: RunDep,
+    ref: EpisodeRefDep,
+    request: Request,
+    response: Response,
+) -> ChatCompletion | StreamingResponse:
+    check_request(run, body, "chat")
+    chat = request.app.state.chat
+    if body.stream:
+        if (body.n or 1) > 1:
+            raise InvalidRequest("stream=true with n > 1 is not supported yet", param="n")
+        prep = await chat.prepare(run, body, ref)
+        return event_stream(sse(ChatStream(chat, prep).chunks()), prep.placement.episode_id)
+    resp = await chat.create(run, body, ref)
+    if resp.episode_id is not None:
+        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+    if resp.group_id is not None:
+        response.headers["X-Rlgate-Group-Id"] = resp.group_id
+    return resp

@@ -1,0 +1,28 @@
+"""POST /v1/completions (legacy text completions), also mounted under episode prefixes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from gateway.deps import EpisodeRefDep, RunDep, check_request
+from gateway.protocol_legacy import CompletionRequest, TextCompletion
+from gateway.services.text_completions import TextCompletionService
+from gateway.sse import event_stream, sse
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=TextCompletion)
+async def completions(
+    body: CompletionRequest, run: RunDep, ref: EpisodeRefDep, request: Request, response: Response
+) -> TextCompletion | StreamingResponse:
+    check_request(run, body, "completion")
+    service = TextCompletionService(request.app.state.chat)
+    if body.stream:
+        prep = await service.prepare(run, body, ref)
+        return event_stream(sse(service.stream(prep).chunks()), prep.placement.episode_id)
+    resp = await service.create(run, body, ref)
+    if resp.episode_id is not None:
+        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+    return resp
