@@ -1,6 +1,6 @@
-"""Request building, retry policy and response parsing shared by the sync and async clients.
+"""Construction, request building, retry policy and response parsing shared by the twin clients.
 
-Nothing here does I/O, so `RLGate` and `AsyncRLGate` differ only in how they send and sleep.
+Nothing here sends or sleeps, so `RLGate` and `AsyncRLGate` differ only in how they do those.
 """
 
 from __future__ import annotations
@@ -9,19 +9,25 @@ import contextlib
 import math
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar
 from urllib.parse import quote
 
 import httpx
 
-from agents_sdk._exceptions import APIResponseError, status_error
+from agents_sdk._exceptions import APIResponseError, connection_error, status_error
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_RETRIES = 2
 DEFAULT_BACKOFF = 0.5
 MAX_BACKOFF = 8.0
 MAX_ID_LENGTH = 100  # the gateway stores episode and group ids in VARCHAR(100)
+
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+HttpT = TypeVar("HttpT", httpx.Client, httpx.AsyncClient)
+EpisodeT = TypeVar("EpisodeT")
+GroupT = TypeVar("GroupT")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,14 @@ class RewardAck:
     episode_status: str
     # True when the idempotency key had been seen: this post was not stored again.
     duplicate: bool = False
+
+
+class RewardTarget(TypedDict, total=False):
+    """What a reward post names: exactly one of the two ids, and an optional idempotency key."""
+
+    completion_id: str | None
+    episode_id: str | None
+    idempotency_key: str | None
 
 
 def new_episode_id() -> str:
@@ -58,17 +72,23 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
-class BaseGate:
-    """Configuration and pure helpers; subclasses own the httpx client."""
+class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
+    """Configuration, the httpx client, and pure helpers; subclasses send, sleep and name
+    their own episode and group classes."""
+
+    # Called as `(gate, episode_id, group_id)` and `(gate, group_id)`.
+    _episode_class: Callable[..., EpisodeT]
+    _group_class: Callable[..., GroupT]
 
     def __init__(
         self,
         base_url: str,
         api_key: str,
         *,
-        timeout: float | httpx.Timeout,
-        max_retries: int,
-        backoff: float,
+        transport: TransportT | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        backoff: float = DEFAULT_BACKOFF,
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
@@ -80,6 +100,12 @@ class BaseGate:
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
+        self.transport = transport
+        self._http = self._open(transport)
+
+    def _open(self, transport: TransportT | None) -> HttpT:
+        """The httpx client (sync or async) that reward posts go through."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r})"
@@ -92,6 +118,14 @@ class BaseGate:
             },
             "timeout": self.timeout,
         }
+
+    def episode(self, episode_id: str | None = None, group_id: str | None = None) -> EpisodeT:
+        """A new episode; `episode_id` defaults to a fresh `ep-<uuid>`."""
+        return self._episode_class(self, episode_id, group_id)
+
+    def group(self, group_id: str | None = None) -> GroupT:
+        """A new group; `group_id` defaults to a fresh `grp-<uuid>`."""
+        return self._group_class(self, group_id)
 
     def scoped_base_url(self, episode_id: str, group_id: str | None) -> str:
         """The OpenAI base URL that files every call under this episode (and group)."""
@@ -122,6 +156,23 @@ class BaseGate:
         body["idempotency_key"] = idempotency_key or uuid.uuid4().hex
         return body
 
+    def reward_request(
+        self,
+        value: float,
+        *,
+        completion_id: str | None = None,
+        episode_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> httpx.Request:
+        """The reward post, with the client's headers and timeout, ready to send."""
+        body = self.reward_body(
+            value,
+            completion_id=completion_id,
+            episode_id=episode_id,
+            idempotency_key=idempotency_key,
+        )
+        return self._http.build_request("POST", self.base_url + "/rewards", json=body)
+
     def should_retry(self, attempt: int, response: httpx.Response | None) -> bool:
         """Retry a lost request or a 429/5xx, never another 4xx, at most `max_retries` times."""
         if attempt >= self.max_retries:
@@ -136,6 +187,18 @@ class BaseGate:
             with contextlib.suppress(ValueError):
                 delay = max(delay, float(response.headers.get("retry-after", "")))
         return min(delay, MAX_BACKOFF)
+
+    def settle(
+        self, attempt: int, outcome: httpx.Response | httpx.TransportError
+    ) -> httpx.Response | float:
+        """After attempt number `attempt`: the response to return, or the seconds to sleep
+        before the next attempt; a transport error that is not retried is raised as ours."""
+        response = outcome if isinstance(outcome, httpx.Response) else None
+        if self.should_retry(attempt, response):
+            return self.retry_delay(attempt, response)
+        if isinstance(outcome, httpx.TransportError):
+            raise connection_error(outcome) from outcome
+        return outcome
 
     @staticmethod
     def parse_reward(response: httpx.Response) -> RewardAck:

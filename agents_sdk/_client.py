@@ -1,7 +1,7 @@
 """RLGate and AsyncRLGate: episodes, groups and rewards against an rlgate gateway.
 
-The twins share `BaseGate`; each one only sends (with retries) and builds its own OpenAI
-client. A typical agent loop:
+The twins share `BaseGate`; each one only sends (with retries), sleeps and builds its own
+OpenAI client. A typical agent loop:
 
     gate = RLGate("http://127.0.0.1:8000/v1", api_key)
     episode = gate.episode()
@@ -13,29 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar, Unpack
 
 import httpx
 import openai
 
 from agents_sdk._base import (
-    DEFAULT_BACKOFF,
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_TIMEOUT,
     BaseGate,
     RewardAck,
+    RewardTarget,
     check_id,
     new_episode_id,
     new_group_id,
 )
-from agents_sdk._exceptions import APIConnectionError, APITimeoutError
 
 GateT = TypeVar("GateT", "RLGate", "AsyncRLGate")
-
-
-def _connection_error(exc: httpx.TransportError) -> APIConnectionError:
-    cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
-    return cls(f"could not reach the gateway: {exc!r}")
 
 
 class _EpisodeBase(Generic[GateT]):
@@ -48,6 +40,13 @@ class _EpisodeBase(Generic[GateT]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, group_id={self.group_id!r})"
+
+    def _openai_kwargs(self, kwargs: dict[str, Any], http_class: type) -> dict[str, Any]:
+        """Arguments for an OpenAI client filed under this episode, on the gate's transport."""
+        transport = self.gate.transport
+        if transport is not None and "http_client" not in kwargs:
+            kwargs["http_client"] = http_class(transport=transport)
+        return {"base_url": self.base_url, "api_key": self.gate.api_key, **kwargs}
 
 
 class _GroupBase(Generic[GateT]):
@@ -70,10 +69,7 @@ class Episode(_EpisodeBase["RLGate"]):
 
         `kwargs` go to `openai.OpenAI` (e.g. `timeout`, `max_retries`).
         """
-        transport = self.gate.transport
-        if transport is not None and "http_client" not in kwargs:
-            kwargs["http_client"] = httpx.Client(transport=transport)
-        return openai.OpenAI(base_url=self.base_url, api_key=self.gate.api_key, **kwargs)
+        return openai.OpenAI(**self._openai_kwargs(kwargs, httpx.Client))
 
     def reward(self, value: float, idempotency_key: str | None = None) -> RewardAck:
         """Reward the whole episode."""
@@ -93,7 +89,7 @@ class Group(_GroupBase["RLGate"]):
         return Episode(self.gate, episode_id, self.id)
 
 
-class RLGate(BaseGate):
+class RLGate(BaseGate[httpx.BaseTransport, httpx.Client, Episode, Group]):
     """A synchronous client for one run of an rlgate gateway.
 
     `base_url` is the OpenAI base URL (`http://host:port/v1`), `api_key` the run's agent key.
@@ -102,62 +98,28 @@ class RLGate(BaseGate):
     (an `httpx.MockTransport` in tests) for rewards and for the clients `Episode.openai` builds.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        transport: httpx.BaseTransport | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        backoff: float = DEFAULT_BACKOFF,
-    ) -> None:
-        super().__init__(
-            base_url, api_key, timeout=timeout, max_retries=max_retries, backoff=backoff
-        )
-        self.transport = transport
-        self._http = httpx.Client(transport=transport, **self._client_kwargs())
+    _episode_class = Episode
+    _group_class = Group
 
-    def episode(self, episode_id: str | None = None, group_id: str | None = None) -> Episode:
-        """A new episode; `episode_id` defaults to a fresh `ep-<uuid>`."""
-        return Episode(self, episode_id, group_id)
+    def _open(self, transport: httpx.BaseTransport | None) -> httpx.Client:
+        return httpx.Client(transport=transport, **self._client_kwargs())
 
-    def group(self, group_id: str | None = None) -> Group:
-        """A new group; `group_id` defaults to a fresh `grp-<uuid>`."""
-        return Group(self, group_id)
-
-    def reward(
-        self,
-        value: float,
-        *,
-        completion_id: str | None = None,
-        episode_id: str | None = None,
-        idempotency_key: str | None = None,
-    ) -> RewardAck:
-        """Post a reward for exactly one of a completion or an episode."""
-        body = self.reward_body(
-            value,
-            completion_id=completion_id,
-            episode_id=episode_id,
-            idempotency_key=idempotency_key,
-        )
-        request = self._http.build_request("POST", self.base_url + "/rewards", json=body)
-        return self.parse_reward(self._send(request))
+    def reward(self, value: float, **target: Unpack[RewardTarget]) -> RewardAck:
+        """Post a reward for exactly one of a completion or an episode (`completion_id=` or
+        `episode_id=`), with an optional `idempotency_key=`."""
+        return self.parse_reward(self._send(self.reward_request(value, **target)))
 
     def _send(self, request: httpx.Request) -> httpx.Response:
         attempt = 0
         while True:
-            response: httpx.Response | None = None
             try:
-                response = self._http.send(request)
+                outcome: httpx.Response | httpx.TransportError = self._http.send(request)
             except httpx.TransportError as exc:
-                if not self.should_retry(attempt, None):
-                    raise _connection_error(exc) from exc
-            else:
-                if not self.should_retry(attempt, response):
-                    return response
-                response.close()
-            time.sleep(self.retry_delay(attempt, response))
+                outcome = exc
+            step = self.settle(attempt, outcome)
+            if isinstance(step, httpx.Response):
+                return step
+            time.sleep(step)
             attempt += 1
 
     def close(self) -> None:
@@ -178,10 +140,7 @@ class AsyncEpisode(_EpisodeBase["AsyncRLGate"]):
 
     def openai(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An AsyncOpenAI client filed under this episode; `kwargs` go to `openai.AsyncOpenAI`."""
-        transport = self.gate.transport
-        if transport is not None and "http_client" not in kwargs:
-            kwargs["http_client"] = httpx.AsyncClient(transport=transport)
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.gate.api_key, **kwargs)
+        return openai.AsyncOpenAI(**self._openai_kwargs(kwargs, httpx.AsyncClient))
 
     async def reward(self, value: float, idempotency_key: str | None = None) -> RewardAck:
         """Reward the whole episode."""
@@ -203,65 +162,31 @@ class AsyncGroup(_GroupBase["AsyncRLGate"]):
         return AsyncEpisode(self.gate, episode_id, self.id)
 
 
-class AsyncRLGate(BaseGate):
+class AsyncRLGate(BaseGate[httpx.AsyncBaseTransport, httpx.AsyncClient, AsyncEpisode, AsyncGroup]):
     """The async twin of `RLGate`; `transport` must be an `httpx.AsyncBaseTransport`."""
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        backoff: float = DEFAULT_BACKOFF,
-    ) -> None:
-        super().__init__(
-            base_url, api_key, timeout=timeout, max_retries=max_retries, backoff=backoff
-        )
-        self.transport = transport
-        self._http = httpx.AsyncClient(transport=transport, **self._client_kwargs())
+    _episode_class = AsyncEpisode
+    _group_class = AsyncGroup
 
-    def episode(self, episode_id: str | None = None, group_id: str | None = None) -> AsyncEpisode:
-        """A new episode; `episode_id` defaults to a fresh `ep-<uuid>`."""
-        return AsyncEpisode(self, episode_id, group_id)
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=transport, **self._client_kwargs())
 
-    def group(self, group_id: str | None = None) -> AsyncGroup:
-        """A new group; `group_id` defaults to a fresh `grp-<uuid>`."""
-        return AsyncGroup(self, group_id)
-
-    async def reward(
-        self,
-        value: float,
-        *,
-        completion_id: str | None = None,
-        episode_id: str | None = None,
-        idempotency_key: str | None = None,
-    ) -> RewardAck:
-        """Post a reward for exactly one of a completion or an episode."""
-        body = self.reward_body(
-            value,
-            completion_id=completion_id,
-            episode_id=episode_id,
-            idempotency_key=idempotency_key,
-        )
-        request = self._http.build_request("POST", self.base_url + "/rewards", json=body)
-        return self.parse_reward(await self._send(request))
+    async def reward(self, value: float, **target: Unpack[RewardTarget]) -> RewardAck:
+        """Post a reward for exactly one of a completion or an episode (`completion_id=` or
+        `episode_id=`), with an optional `idempotency_key=`."""
+        return self.parse_reward(await self._send(self.reward_request(value, **target)))
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         attempt = 0
         while True:
-            response: httpx.Response | None = None
             try:
-                response = await self._http.send(request)
+                outcome: httpx.Response | httpx.TransportError = await self._http.send(request)
             except httpx.TransportError as exc:
-                if not self.should_retry(attempt, None):
-                    raise _connection_error(exc) from exc
-            else:
-                if not self.should_retry(attempt, response):
-                    return response
-                await response.aclose()
-            await asyncio.sleep(self.retry_delay(attempt, response))
+                outcome = exc
+            step = self.settle(attempt, outcome)
+            if isinstance(step, httpx.Response):
+                return step
+            await asyncio.sleep(step)
             attempt += 1
 
     async def aclose(self) -> None:

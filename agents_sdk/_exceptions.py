@@ -124,6 +124,12 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
 }
 
 
+def connection_error(exc: httpx.TransportError) -> APIConnectionError:
+    """The exception for a request that got no answer: a timeout or another transport error."""
+    cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
+    return cls(f"could not reach the gateway: {exc!r}")
+
+
 def status_error(response: httpx.Response) -> APIStatusError:
     """The exception for an error response, filled from its OpenAI-style error body."""
     try:

@@ -19,11 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.store.models import Completion, Episode, Run, TrainStep
+from gateway.store.completions import token_totals
+from gateway.store.episodes import episode_counts
+from gateway.store.runs import current_versions
+from gateway.store.steps import pending_steps_by_run
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -95,39 +97,18 @@ class GatewayMetrics:
         self.registry.register(self.store)
 
     async def refresh(self, sessions: async_sessionmaker[AsyncSession], served: dict) -> None:
-        # length() of the packed int32 arrays is 4 bytes per token on SQLite and PostgreSQL.
         async with sessions() as s:
-            tokens = (
-                await s.execute(
-                    select(
-                        Completion.run_id,
-                        func.coalesce(func.sum(func.length(Completion.prompt_token_ids)), 0),
-                        func.coalesce(func.sum(func.length(Completion.output_token_ids)), 0),
-                    ).group_by(Completion.run_id)
-                )
-            ).all()
-            pending = (
-                await s.execute(
-                    select(TrainStep.run_id, func.count())
-                    .where(TrainStep.status.in_(("queued", "running")))
-                    .group_by(TrainStep.run_id)
-                )
-            ).all()
-            versions = (await s.execute(select(Run.id, Run.current_version))).all()
-            episodes = (
-                await s.execute(
-                    select(Episode.run_id, Episode.status, func.count()).group_by(
-                        Episode.run_id, Episode.status
-                    )
-                )
-            ).all()
+            tokens = await token_totals(s)
+            pending = await pending_steps_by_run(s)
+            versions = await current_versions(s)
+            episodes = await episode_counts(s)
         self.store.snapshot = StoreSnapshot(
-            prompt_tokens={r: int(p) // 4 for r, p, _ in tokens},
-            output_tokens={r: int(o) // 4 for r, _, o in tokens},
-            pending_steps={r: int(n) for r, n in pending},
-            current_version={r: int(v) for r, v in versions},
+            prompt_tokens={r: p for r, (p, _) in tokens.items()},
+            output_tokens={r: o for r, (_, o) in tokens.items()},
+            pending_steps=pending,
+            current_version=versions,
             served_version={r: int(serving.backend.version) for r, serving in served.items()},
-            episodes={(r, st): int(n) for r, st, n in episodes},
+            episodes=episodes,
         )
 
     def render(self) -> bytes:

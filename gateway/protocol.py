@@ -12,6 +12,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from inference import registry
+
+
+def finite_or_none(v: float | None) -> float | None:
+    """A field validator for sampling knobs: Python's JSON parser lets NaN and Infinity in."""
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -126,12 +135,9 @@ class ChatCompletionRequest(OpenAIModel):
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")(
+        finite_or_none
+    )
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -259,10 +265,20 @@ class RunCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     model: str = Field(min_length=1, max_length=500, description="alias (tiny, smollm2) or path")
-    backend: Literal["local", "vllm", "sglang"] = "local"
+    backend: str = Field(
+        "local",
+        description="a backend kind of inference.registry (local, vllm, sglang, ...)",
+        json_schema_extra=lambda schema: schema.update(enum=registry.names()),  # at schema time
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="trainer.config.RunConfig")
-    # vllm/sglang: base URLs of servers already serving `model` (more: POST .../replicas)
+    # remote backends: base URLs of servers already serving `model` (more: POST .../replicas)
     replicas: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        registry.get(v)  # UnknownBackend (a ValueError) names the known kinds
+        return v
 
 
 class ReplicaCreate(BaseModel):

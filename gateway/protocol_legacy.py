@@ -7,13 +7,12 @@ blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from gateway.protocol import OpenAIModel, StreamOptions, Usage
+from gateway.protocol import OpenAIModel, StreamOptions, Usage, finite_or_none
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -44,12 +43,9 @@ class CompletionRequest(OpenAIModel):
     # path and the X-Episode-Id / X-Group-Id headers take precedence.
     metadata: dict[str, str] | None = None
 
-    @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")(
+        finite_or_none
+    )
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt of this request: its text, or its token ids.

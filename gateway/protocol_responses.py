@@ -8,13 +8,12 @@ blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from gateway.protocol import OpenAIModel
+from gateway.protocol import OpenAIModel, finite_or_none
 
 # --- request -----------------------------------------------------------------
 
@@ -44,12 +43,7 @@ class ResponsesRequest(OpenAIModel):
     # Seeds the sampler, as `seed` does on chat completions (OpenAI's Responses API has none).
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
 
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite = field_validator("temperature", "top_p")(finite_or_none)
 
 
 class MessageItem(OpenAIModel):

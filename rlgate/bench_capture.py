@@ -78,12 +78,12 @@ def synthetic_row(run_id: str, episode_id: str, parent_id: str | None, rng: rand
 
 
 async def _mode(url: str, batched: bool, agents: int, turns: int, seconds: float) -> dict:
-    from sqlalchemy import func, select
     from sqlalchemy.ext.asyncio import async_sessionmaker
 
     from gateway.services.capture import CaptureWriter
+    from gateway.store.completions import count_completions
     from gateway.store.db import make_async_engine
-    from gateway.store.models import Completion, Run
+    from gateway.store.models import Run
 
     engine = make_async_engine(url)
     sessions = async_sessionmaker(engine, expire_on_commit=False)
@@ -112,9 +112,7 @@ async def _mode(url: str, batched: bool, agents: int, turns: int, seconds: float
     elapsed = time.perf_counter() - t0
     await writer.close()
     async with sessions() as s:
-        stored = (
-            await s.execute(select(func.count()).where(Completion.run_id == run_id))
-        ).scalar_one()
+        stored = await count_completions(s, run_id)
     await engine.dispose()
     return {
         "acknowledged": acked,

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from gateway.store.status import STEP_IN_FLIGHT, StepStatus
+from rlgate import bench_dirs
 
 ADMIN_KEY = "bench-admin"
 
@@ -70,7 +73,7 @@ def _quiet(admin, run_id: str, timeout_s: float = 300) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         steps = admin.get(f"/admin/v1/runs/{run_id}/steps").json()
-        if all(s["status"] not in ("queued", "running") for s in steps):
+        if all(s["status"] not in STEP_IN_FLIGHT for s in steps):
             return steps
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} still has a step in flight")
@@ -93,7 +96,7 @@ def _mode(url: str, admin, staleness: int, agents: int, seconds: float, cfg: dic
     counted = [
         st
         for st in admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
-        if st["status"] == "done"
+        if st["status"] == StepStatus.DONE
     ]
     _quiet(admin, run["run_id"])
     info = admin.get(f"/admin/v1/runs/{run['run_id']}").json()
@@ -120,19 +123,20 @@ def _warm_up(url: str, admin, cfg: dict, timeout_s: float = 240) -> None:
     while time.monotonic() < deadline:
         asyncio.run(_load(url, run, 2, cfg["group_size"], 3))
         steps = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
-        if any(st["status"] == "done" for st in steps):
+        if any(st["status"] == StepStatus.DONE for st in steps):
             break
     _quiet(admin, run["run_id"])
     admin.post(f"/admin/v1/runs/{run['run_id']}/pause")
 
 
 def bench_e2e(
-    cache_dir: Path = Path("rlgate-data"),
+    cache_dir: Path | None = None,
     agents: int = 4,
     seconds: float = 40.0,
     group_size: int = 4,
     groups_per_step: int = 2,
     modes: tuple[int, ...] = (0, 1, 2),
+    work_dir: Path | None = None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -140,18 +144,20 @@ def bench_e2e(
     from rlgate.settings import Settings
     from rlgate.stack import embedded_stack
 
+    cache_dir = bench_dirs.model_cache(cache_dir)
     resolve_model("tiny", cache_dir)
-    tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-e2e-"))
-    settings = Settings(
-        data_dir=tmp / "data",
-        admin_key=ADMIN_KEY,
-        dev_mode=False,
-        model_cache_dir=cache_dir.resolve(),
-        sync_interval_s=0.2,
-    )
     cfg = {"group_size": group_size, "groups_per_step": groups_per_step, "micro_batch_size": 8}
     results = []
-    with embedded_stack(settings, "127.0.0.1", 0, tmp / "logs") as url:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(bench_dirs.work_dir("e2e", work_dir))  # removed last
+        settings = Settings(
+            data_dir=tmp / "data",
+            admin_key=ADMIN_KEY,
+            dev_mode=False,
+            model_cache_dir=cache_dir.resolve(),
+            sync_interval_s=0.2,
+        )
+        url = stack.enter_context(embedded_stack(settings, "127.0.0.1", 0, tmp / "logs"))
         admin = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120
         )
@@ -181,7 +187,7 @@ def bench_e2e(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--cache-dir", type=Path, default=Path("rlgate-data"), help="tiny model cache")
+    bench_dirs.add_dir_arguments(p, "the stack's data dir (checkpoints) and logs")
     p.add_argument("--agents", type=int, default=4, help="concurrent agents (one group each)")
     p.add_argument("--seconds", type=float, default=40.0, help="load time per mode")
     p.add_argument("--group-size", type=int, default=4)
@@ -190,9 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = bench_e2e(
-        args.cache_dir, args.agents, args.seconds, args.group_size, args.groups_per_step
-    )
+    # The options are named after bench_e2e's parameters.
+    names = ("cache_dir", "agents", "seconds", "group_size", "groups_per_step", "work_dir")
+    out = bench_e2e(**{name: getattr(args, name) for name in names})
     for r in out["modes"]:
         print(
             f"max_staleness {r['max_staleness']}: {r['samples_per_s']:.2f} samples/s "

@@ -30,11 +30,12 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from rlgate import bench_dirs
 
 LITELLM_VENV = Path.home() / ".cache" / "rlgate" / "litellm-venv"
 PROMPT = list(range(100, 164))  # 64 prompt tokens
@@ -179,7 +180,7 @@ def _litellm_config(path: Path, stub: str, master_key: str) -> None:
 
 def bench_gateway(
     database_url: str = "postgresql://postgres@127.0.0.1:5432/test",
-    cache_dir: Path = Path("rlgate-data"),
+    cache_dir: Path | None = None,
     latency_ms: float = 20.0,
     output_tokens: int = 16,
     seconds: float = 5.0,
@@ -187,6 +188,7 @@ def bench_gateway(
     levels: tuple[int, ...] = (32, 128),
     skip_litellm: bool = False,
     loader: str = "auto",
+    work_dir: Path | None = None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -201,8 +203,8 @@ def bench_gateway(
     from rlgate.settings import Settings
     from rlgate.stack import free_port, settings_env, wait_healthy
 
+    cache_dir = bench_dirs.model_cache(cache_dir)
     resolve_model("tiny", cache_dir)  # the run's tokenizer; the stub stands in for its weights
-    tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-gw-"))
     ports = {name: free_port() for name in ("stub", "rlgate", "litellm")}
     urls = {name: f"http://127.0.0.1:{p}" for name, p in ports.items()}
     stub_cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm"]
@@ -211,6 +213,7 @@ def bench_gateway(
     body = {"prompt": PROMPT, "max_tokens": output_tokens, "temperature": 1.0}
     results: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(bench_dirs.work_dir("gw", work_dir))  # removed last
         db = stack.enter_context(fresh_database(database_url))
         settings = Settings(
             data_dir=tmp / "data",
@@ -278,18 +281,21 @@ def bench_gateway(
 
 
 def _count_completions(url: str, run_id: str) -> int:
-    from sqlalchemy import func, select
+    """What the gateway stored for the run (every answered request must be there)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
 
-    from gateway.store.db import make_sync_engine
-    from gateway.store.models import Completion
+    from gateway.store.completions import count_completions
+    from gateway.store.db import make_async_engine
 
-    engine = make_sync_engine(url)
-    try:
-        with engine.connect() as conn:
-            stmt = select(func.count()).where(Completion.run_id == run_id)
-            return conn.execute(stmt).scalar_one()
-    finally:
-        engine.dispose()
+    async def count() -> int:
+        engine = make_async_engine(url)
+        try:
+            async with AsyncSession(engine) as s:
+                return await count_completions(s, run_id)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(count())
 
 
 def _summary(results, answered, stored, latency_ms, output_tokens, skip_litellm) -> dict:
@@ -318,7 +324,7 @@ def _summary(results, answered, stored, latency_ms, output_tokens, skip_litellm)
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/test")
-    p.add_argument("--cache-dir", type=Path, default=Path("rlgate-data"), help="tiny model cache")
+    bench_dirs.add_dir_arguments(p, "the gateway's data dir and the processes' logs")
     p.add_argument("--latency-ms", type=float, default=20.0, help="stub time to first token")
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--seconds", type=float, default=5.0, help="per load level")
@@ -345,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         tuple(int(c) for c in args.levels.split(",")),
         args.skip_litellm,
         args.load_generator,
+        args.work_dir,
     )
     for mode in ("plain", "stream"):
         print(f"{mode}: " + ", ".join(f"{k} {v}" for k, v in out[mode].items()))

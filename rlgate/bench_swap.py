@@ -20,9 +20,13 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.launch import ServerConfig, start_server, stop_server, wait_ready
+from rlgate import bench_dirs
+
+if TYPE_CHECKING:  # pydantic-settings is imported only when the bench runs
+    from rlgate.settings import Settings
 
 
 def _perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
@@ -44,11 +48,10 @@ def _perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
 
 async def _first_answer(url: str, version: int, ckpt: Path | None) -> float:
     """Swap `ckpt` into the server at `url` (if given) and wait for one greedy answer."""
-    from inference.http_common import HttpBackendConfig
     from inference.types import GenerateRequest, SamplingParams
     from inference.vllm_http import VLLMBackend
 
-    backend = VLLMBackend(HttpBackendConfig(base_url=url))
+    backend = VLLMBackend.for_url(url)
     try:
         t0 = time.perf_counter()
         if ckpt is not None:
@@ -66,19 +69,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="hot swaps timed")
     p.add_argument("--restarts", type=int, default=2, help="restarts timed")
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--work-dir", default="rlgate-bench-swap", help="checkpoints and logs")
+    bench_dirs.add_dir_arguments(p, "the second checkpoint and the server's log")
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from inference.models import resolve_model
+def _time_swaps(
+    args: argparse.Namespace, settings: Settings, base: Path, work: Path
+) -> tuple[list[float], list[float]]:
+    """Seconds of each hot swap and of each restart, alternating `base` and a second checkpoint."""
     from rlgate.inference_cli import server_python
-    from rlgate.settings import Settings
 
-    settings = Settings()
-    work = Path(args.work_dir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    base = resolve_model(args.model, settings.models_dir)
     other = _perturbed_checkpoint(base, work / "ckpt-b")
     checkpoints = [other, base]
 
@@ -113,6 +113,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"restart {i + 1}/{args.restarts}: {restarts[-1]:.1f} s", flush=True)
     finally:
         stop_server(proc)
+    return swaps, restarts
+
+
+def run(args: argparse.Namespace) -> int:
+    from inference.models import resolve_model
+    from rlgate.settings import Settings
+
+    settings = Settings()
+    base = resolve_model(args.model, bench_dirs.model_cache(args.cache_dir))
+    with bench_dirs.work_dir("swap", args.work_dir) as work:
+        swaps, restarts = _time_swaps(args, settings, base, work)
     swap_s, restart_s = statistics.median(swaps), statistics.median(restarts)
     result: dict[str, Any] = {
         "bench": "swap",

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlgate.bench_dirs import add_dir_arguments, model_cache
+
 if TYPE_CHECKING:  # torch is imported only when the bench runs, not when the CLI parses
     from trainer.batch import Sample
 
@@ -50,7 +52,7 @@ def synthetic_samples(
 
 def bench_train(
     model: str = "tiny",
-    cache_dir: Path = Path("rlgate-data"),
+    cache_dir: Path | None = None,
     n_samples: int = 32,
     min_len: int = 16,
     max_len: int = 256,
@@ -69,7 +71,7 @@ def bench_train(
 
     # one thread, as each torchrun rank gets: on a shared machine more threads mostly spin
     torch.set_num_threads(threads)
-    model_dir = resolve_model(model, cache_dir)
+    model_dir = resolve_model(model, model_cache(cache_dir))
     cfg = RunConfig(
         learning_rate=1e-7,  # the weights barely move: both modes time the same model
         micro_batch_size=micro_batch_size,
@@ -123,7 +125,7 @@ def bench_train(
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The bench's options, for its own parser or an `rlgate bench train` subparser."""
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF directory")
-    p.add_argument("--cache-dir", default=None, help="model cache (default: the data dir)")
+    add_dir_arguments(p)
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
@@ -137,15 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench from parsed options; prints a line per mode, then the JSON line."""
-    if args.cache_dir is None:
-        from rlgate.settings import Settings
-
-        cache_dir = Settings().models_dir
-    else:
-        cache_dir = Path(args.cache_dir)
     result = bench_train(
         model=args.model,
-        cache_dir=cache_dir,
+        cache_dir=args.cache_dir,
         n_samples=args.samples,
         min_len=args.min_len,
         max_len=args.max_len,

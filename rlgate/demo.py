@@ -1,7 +1,8 @@
 """`rlgate demo`: the whole loop on the embedded default, with plain OpenAI-SDK agents.
 
-With `--backend vllm` the demo also starts a vLLM server (the code of
-`rlgate inference serve`) and the gateway samples from it and hot-swaps into it.
+With a remote backend (`--backend vllm`) the demo also starts its server (the
+code of `rlgate inference serve`) and the gateway samples from it and
+hot-swaps into it.
 
 Per step: a wave of agents (groups of `group_size` attempts at the same
 problem) call the gateway over HTTP, each reply is scored, rewards go back
@@ -29,6 +30,7 @@ from typing import Any
 import httpx
 import openai
 
+from gateway.store.status import StepStatus
 from rlgate.demo_task import make_problem, score
 from rlgate.settings import Settings
 from rlgate.stack import embedded_stack
@@ -51,9 +53,9 @@ class DemoConfig:
     min_gain: float = 0.1  # reward_last - reward_first needed to call the run learned
     max_waves_per_step: int = 4
     run_config: dict[str, Any] = field(default_factory=dict)
-    backend: str = "local"  # or "vllm": the demo starts a vLLM server (rlgate inference serve)
-    vllm_port: int = 8767
-    vllm_max_model_len: int = 2048
+    backend: str = "local"  # or a remote kind ("vllm"): the demo starts its server
+    server_port: int = 8767  # remote backends: the server's loopback port
+    server_max_model_len: int = 2048
 
 
 @dataclass
@@ -129,7 +131,7 @@ async def _wait_for_version(admin: httpx.AsyncClient, run_id: str, version: int,
 
 async def _step_queued(admin: httpx.AsyncClient, run_id: str, step: int) -> dict | None:
     steps = (await admin.get(f"/admin/v1/runs/{run_id}/steps")).json()
-    return next((s for s in steps if s["step"] == step and s["status"] != "failed"), None)
+    return next((s for s in steps if s["step"] == step and s["status"] != StepStatus.FAILED), None)
 
 
 async def _loop(
@@ -257,8 +259,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _vllm_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
-    """The same server `rlgate inference serve --backend vllm` starts; yields its URL."""
+def _inference_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
+    """The same server `rlgate inference serve --backend KIND` starts; yields its URL."""
+    from inference import registry
     from inference.launch import ServerConfig, running_server
     from inference.models import resolve_model
     from rlgate.inference_cli import server_python
@@ -266,15 +269,16 @@ def _vllm_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
     model_dir = resolve_model(cfg.model, settings.models_dir)
     context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
     server = ServerConfig(
-        kind="vllm",
+        kind=cfg.backend,
         model_dir=model_dir,
-        python=server_python("vllm", None, settings),
-        port=cfg.vllm_port,
-        max_model_len=min(cfg.vllm_max_model_len, int(context or cfg.vllm_max_model_len)),
+        python=server_python(cfg.backend, None, settings),
+        port=cfg.server_port,
+        max_model_len=min(cfg.server_max_model_len, int(context or cfg.server_max_model_len)),
     )
-    print(f"starting vLLM at {server.url} (about 30-100 s) ...", flush=True)
+    label = registry.get(cfg.backend).title
+    print(f"starting {label} at {server.url} (about 30-100 s) ...", flush=True)
     (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
-    with running_server(server, cfg.out / "logs" / "vllm.log", timeout_s=900):
+    with running_server(server, cfg.out / "logs" / f"{cfg.backend}.log", timeout_s=900):
         yield server.url
 
 
@@ -296,14 +300,15 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     t0 = time.perf_counter()
     print(f"rlgate demo: model={cfg.model} steps={cfg.steps} seed={cfg.seed} out={cfg.out}")
 
+    from inference import registry
     from inference.models import resolve_model
 
     print("preparing the model (SmolLM2 is converted once, about 20 s) ...", flush=True)
     resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
     with contextlib.ExitStack() as stack:
         replicas = None
-        if cfg.backend == "vllm":
-            replicas = [stack.enter_context(_vllm_server(cfg, settings))]
+        if registry.get(cfg.backend).remote:
+            replicas = [stack.enter_context(_inference_server(cfg, settings))]
         print("starting the gateway and a Celery worker ...", flush=True)
         url = stack.enter_context(embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs"))
         result = asyncio.run(_loop(url, settings.admin_key, cfg, replicas))

@@ -7,12 +7,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
+from inference.launch import wait_ready
 from rlgate.settings import Settings
 
 
@@ -38,38 +36,31 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def start_worker(settings: Settings, log: Path | None = None) -> subprocess.Popen:
+def _start(module: str, args: list[str], settings: Settings, log: Path | None) -> subprocess.Popen:
+    """`python -m module args` with `settings` in its environment, output appended to `log`."""
     out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        [sys.executable, "-m", "trainer.worker"],
+        [sys.executable, "-m", module, *args],
         env=settings_env(settings),
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
     )
+
+
+def start_worker(settings: Settings, log: Path | None = None) -> subprocess.Popen:
+    return _start("trainer.worker", [], settings, log)
 
 
 def start_gateway(
     settings: Settings, host: str, port: int, log: Path | None = None
 ) -> subprocess.Popen:
-    out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlgate.serve", "--host", host, "--port", str(port)],
-        env=settings_env(settings),
-        stdout=out,
-        stderr=subprocess.STDOUT if out else None,
-    )
+    return _start("rlgate.serve", ["--host", host, "--port", str(port)], settings, log)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was up")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s}s")
+    """Until the gateway at `url` answers `GET /health` with 200; raises if `proc` exits first."""
+    # The gateway starts in seconds, so poll it more often than an inference server.
+    wait_ready(url, proc, timeout_s, poll_s=0.2)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:

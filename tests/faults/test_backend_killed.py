@@ -8,6 +8,7 @@ while agents stream and call, and started again on the same port.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -73,3 +74,38 @@ def test_backend_killed_gives_503_and_recovers(make_gateway, pg_database) -> Non
         stop(stub)
     stored = {r[0] for r in pg_rows(db, "SELECT id FROM completions")}
     assert got.completions <= stored
+
+
+def test_backend_killed_mid_response_stream_ends_with_response_failed(
+    make_gateway, pg_database
+) -> None:
+    """`/v1/responses` streaming: a backend that dies after tokens went out ends the stream
+    with `response.failed` (not a crash), and nothing of the broken answer is stored."""
+    _, db = pg_database
+    port = free_port()
+    stub = start_stub(port, tokens=12, token_latency_ms=250)  # ~3 s of streaming
+    try:
+        gw = make_gateway(database_url=db)
+        run = gw.create_run("resp-kill", backend="vllm", replicas=[f"http://127.0.0.1:{port}"])
+        warm_up(run)
+        events: list[str] = []
+        with httpx.stream(
+            "POST",
+            run["base_url"] + "/responses",
+            headers={"Authorization": f"Bearer {run['api_key']}"},
+            json={"model": run["name"], "input": "go", "max_output_tokens": 12, "stream": True},
+            timeout=60,
+        ) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+                    if events[-1] == "response.in_progress":
+                        time.sleep(1.0)  # about 4 of the 12 tokens are sampled by now
+                        stub.kill()
+        assert events[-1] == "response.failed", events
+        assert "response.completed" not in events
+        assert pg_rows(db, "SELECT count(*) FROM completions")[0][0] == 1  # the warm-up only
+        assert "unhandled error" not in gw.log_text()
+    finally:
+        stop(stub)

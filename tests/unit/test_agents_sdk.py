@@ -376,3 +376,14 @@ def test_public_api_is_pinned() -> None:
         assert getattr(agents_sdk, name) is not None
     assert issubclass(agents_sdk.APIStatusError, agents_sdk.RLGateError)
     assert issubclass(agents_sdk.APITimeoutError, agents_sdk.APIConnectionError)
+
+
+def test_reward_ack_mirrors_the_gateway_answer() -> None:
+    # The SDK may not import the gateway, so its RewardAck is a copy of the wire contract;
+    # this keeps the two from drifting apart.
+    import dataclasses
+
+    from gateway.protocol import RewardAck as GatewayRewardAck
+
+    sdk_fields = [field.name for field in dataclasses.fields(RewardAck)]
+    assert sdk_fields == [name for name in GatewayRewardAck.model_fields if name != "object"]
