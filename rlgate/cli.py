@@ -1,14 +1,16 @@
-"""The `rlgate` command: demo, up, worker, runs create."""
+"""The `rlgate` command: demo, up, worker, runs create, export, bench and inference."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+from inference import registry
 from rlgate.settings import Settings
 
 
@@ -94,34 +96,16 @@ def _export(args: argparse.Namespace) -> int:
     return run_export(args)
 
 
-def _bench_train(args: argparse.Namespace) -> int:
-    from rlgate.bench_train import run
-
-    return run(args)
-
-
-def _bench_capture(args: argparse.Namespace) -> int:
-    from rlgate.bench_capture import run
-
-    return run(args)
-
-
-def _bench_gateway(args: argparse.Namespace) -> int:
-    from rlgate.bench_gateway import run
-
-    return run(args)
-
-
-def _bench_e2e(args: argparse.Namespace) -> int:
-    from rlgate.bench_e2e import run
-
-    return run(args)
-
-
-def _bench_swap(args: argparse.Namespace) -> int:
-    from rlgate.bench_swap import run
-
-    return run(args)
+# `rlgate bench NAME`: each module has `add_arguments(parser)` and `run(args)`, and imports
+# its heavy dependencies inside `run`, so building the parser stays cheap.
+BENCHES = {
+    "train": ("rlgate.bench_train", "packed vs padded training tokens/s"),
+    "capture": ("rlgate.bench_capture", "completions/s persisted: group commit vs one each"),
+    "gateway": ("rlgate.bench_gateway", "latency and req/s: stub vs rlgate vs LiteLLM proxy"),
+    "e2e": ("rlgate.bench_e2e", "trained samples/s: max_staleness 0 vs 1 and 2"),
+    "swap": ("rlgate.bench_swap", "vLLM hot-swap seconds vs a server restart"),
+    "learn": ("rlgate.bench_learn", "held-out reward from one sample budget: rlgate vs TRL"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole RL loop on the embedded default")
     demo.add_argument("--model", default="smollm2", help="smollm2, tiny or a local HF directory")
-    demo.add_argument("--backend", default="local", choices=["local", "vllm"])
+    demo.add_argument("--backend", default="local", choices=registry.startable_names())
     demo.add_argument("--steps", type=int, default=None, help="train steps (default 16)")
     demo.add_argument("--out", default="rlgate-demo", help="output directory")
     demo.add_argument("--seed", type=int, default=0)
@@ -164,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--name", required=True)
     create.add_argument("--model", required=True, help="tiny, smollm2 or a local HF directory")
     create.add_argument("--config", default=None, help="RunConfig as JSON")
-    create.add_argument("--backend", default="local", choices=["local", "vllm", "sglang"])
-    create.add_argument("--replica", action="append", help="vllm/sglang server URL (repeatable)")
+    create.add_argument("--backend", default="local", choices=registry.names())
+    create.add_argument("--replica", action="append", help="remote backend's URL (repeatable)")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_runs_create)
 
@@ -176,33 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--status", default=None, help="only episodes with this status")
     export.add_argument("--min-version", type=int, default=None, help="only newer samples")
     export.set_defaults(func=_export)
-    from rlgate.bench_train import add_arguments as bench_train_arguments  # argparse only
 
     bench = sub.add_parser("bench", help="figures against a baseline; the last line is JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_train_arguments(
-        bench_sub.add_parser("train", help="packed vs padded training tokens/s")
-    ).set_defaults(func=_bench_train)
-    from rlgate.bench_capture import add_arguments as bench_capture_arguments
-
-    bench_capture_arguments(
-        bench_sub.add_parser("capture", help="completions/s persisted: group commit vs one each")
-    ).set_defaults(func=_bench_capture)
-    from rlgate.bench_gateway import add_arguments as bench_gateway_arguments
-
-    bench_gateway_arguments(
-        bench_sub.add_parser("gateway", help="latency and req/s: stub vs rlgate vs LiteLLM proxy")
-    ).set_defaults(func=_bench_gateway)
-    from rlgate.bench_e2e import add_arguments as bench_e2e_arguments
-
-    bench_e2e_arguments(
-        bench_sub.add_parser("e2e", help="trained samples/s: max_staleness 0 vs 1 and 2")
-    ).set_defaults(func=_bench_e2e)
-    from rlgate.bench_swap import add_arguments as bench_swap_arguments
-
-    bench_swap_arguments(
-        bench_sub.add_parser("swap", help="vLLM hot-swap seconds vs a server restart")
-    ).set_defaults(func=_bench_swap)
+    for name, (module_name, help_text) in BENCHES.items():
+        module = importlib.import_module(module_name)
+        parser = module.add_arguments(bench_sub.add_parser(name, help=help_text))
+        parser.set_defaults(func=module.run)
     from rlgate.inference_cli import add_arguments as inference_arguments
 
     inference_arguments(sub)
