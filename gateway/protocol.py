@@ -10,7 +10,14 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from inference import registry
 
@@ -323,9 +330,12 @@ class RunCreated(RunPublic):
 
 
 class TrainStepPublic(BaseModel):
+    """One train step as the admin API shows it; read straight from its store row."""
+
+    model_config = ConfigDict(from_attributes=True)
+
     step: int
     status: str
-    version: int
     n_episodes: int
     n_groups: int
     loss: float | None
@@ -335,6 +345,17 @@ class TrainStepPublic(BaseModel):
     duration_s: float | None
     metrics: dict[str, Any]
     error: str | None
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _no_metrics_yet(cls, v: Any) -> Any:
+        return {} if v is None else v  # a step that has not finished has none
+
+    @computed_field
+    @property
+    def version(self) -> int:
+        """The policy version this step produces."""
+        return self.step + 1
 
 
 class ApiKeyPublic(BaseModel):

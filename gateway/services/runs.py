@@ -136,20 +136,4 @@ class RunService:
         await self.get(run_id)
         async with self.sessions() as s:
             rows = await run_steps(s, run_id)
-            return [
-                TrainStepPublic(
-                    step=r.step,
-                    status=r.status,
-                    version=r.step + 1,
-                    n_episodes=r.n_episodes,
-                    n_groups=r.n_groups,
-                    loss=r.loss,
-                    reward_mean=r.reward_mean,
-                    reward_std=r.reward_std,
-                    tokens=r.tokens,
-                    duration_s=r.duration_s,
-                    metrics=r.metrics or {},
-                    error=r.error,
-                )
-                for r in rows
-            ]
+            return [TrainStepPublic.model_validate(r) for r in rows]
