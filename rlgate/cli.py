@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def _up(args: argparse.Namespace) -> int:
     settings.resolved_admin_key()  # fail early (or warn) about the admin credential
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     worker = None if args.no_worker else start_worker(settings, settings.data_dir / "worker.log")
+    # uvicorn restores the SIGTERM handler it found and re-raises the signal once it has
+    # shut down; with Python's default handler that would end this process before the
+    # `finally` below stops the worker, so the handler it finds turns SIGTERM into an exit.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         serve(settings, args.host, args.port)
     finally:

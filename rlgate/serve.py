@@ -8,10 +8,13 @@ import logging
 import uvicorn
 
 from gateway.app import create_app
+from rlgate.lifeline import die_with_parent
 from rlgate.settings import Settings
 
 
 def serve(settings: Settings, host: str, port: int) -> None:
+    """Blocks until uvicorn stops (SIGTERM or SIGINT: in-flight requests finish first)."""
+    die_with_parent()  # when started by the demo, a bench or a test: stop with it
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from inference.launch import wait_ready
+from rlgate.lifeline import child_env
 from rlgate.settings import Settings
 
 
@@ -41,7 +42,7 @@ def _start(module: str, args: list[str], settings: Settings, log: Path | None) -
     out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
-        env=settings_env(settings),
+        env=child_env(settings_env(settings)),  # it dies with us, even on SIGKILL
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from rlgate.lifeline import die_with_parent
 from rlgate.settings import Settings
 from trainer.celery_app import make_celery
 from trainer.tasks import register_tasks
@@ -11,6 +12,7 @@ from trainer.tasks import register_tasks
 
 def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
     """Blocks. Solo pool: one step at a time, and torchrun children can be spawned from it."""
+    die_with_parent()  # when started by `rlgate up` or the demo: stop with it
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = make_celery(settings.queue())
     register_tasks(app, settings)
