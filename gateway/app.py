@@ -68,6 +68,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             max_batch_size=settings.max_batch_size,
             sessions=sessions,
             replica_config=settings.replica_config(),
+            threads=settings.threads().backend,
         )
         celery = make_celery(settings.queue())
         scheduler = TrainingScheduler(
