@@ -263,6 +263,8 @@ class AdmissionState(BaseModel):
 
     capacity: int  # unconsumed episodes the run admits before new conversations are held
     in_use: int  # open, rewarded and queued episodes (plus admitted ones not stored yet)
+    group_capacity: int | None  # the same in groups (None: max_pending_episodes overrides)
+    groups_in_use: int  # unconsumed groups (a group of more than group_size counts more)
     held: int  # new conversations this gateway process is holding now
 
 

@@ -2,50 +2,54 @@
 
 The rule. A run's *unconsumed* episodes are those a step may still take:
 open, rewarded and queued ones, plus those this process admitted whose first
-completion is not stored yet. A new episode (a new conversation; a later
-turn of a stored episode always goes on) is admitted only while they stay
-below the run's capacity
+completion is not stored yet. They are counted in *group units*: a group
+counts `ceil(members / group_size)`, and ungrouped episodes (which the batch
+policy pools in chunks of `group_size`) `ceil(episodes / group_size)` in all.
+A new episode (a new conversation; a later turn of a stored episode always
+goes on) is admitted while the units, itself included, stay within
 
-    capacity = (max_staleness + 1) x group_size x groups_per_step
+    group capacity = (max_staleness + 1) x groups_per_step
 
-or `max_pending_episodes` where a run sets it (an explicit override).
+that is `(max_staleness + 1) x group_size x groups_per_step` episodes. An
+episode that joins a group short of `group_size` adds no unit, so it is
+admitted even when the run is full: holding it would leave every place to
+groups waiting for their last members, and no step could ever free one.
+`max_pending_episodes` overrides all this with a plain episode count (named
+groups short of members still complete).
 
-Why this capacity. A step takes `group_size x groups_per_step` episodes,
-oldest groups first (`batch_policy`). An episode admitted at version v has
-fewer than `capacity` unconsumed episodes ahead of it, the step in flight
-(queued episodes) included: so it is taken at the latest by the
-`max_staleness + 1`-th step counted from the one in flight, which claims at
-version `v + max_staleness` and so still accepts samples of version v. No
-admitted sample can age past `max_staleness` before a step takes it, and
-stale drops stay near zero at the default `max_staleness` of 1 (what remains:
-a group that waits for stragglers while younger groups overtake it, and the
-moment between a version's commit and its hot swap). This is AReaL's rollout
-capacity, `(max_head_offpolicyness + version + 1) x batch - samples`
-(areal/core/staleness_manager.py), counted from the store instead of a
-process-local counter, so it holds across gateway processes and restarts.
+Why this capacity. A step takes `groups_per_step` groups, oldest first
+(`batch_policy`). A group admitted at version v has fewer than the capacity's
+units ahead of it, the step in flight (queued episodes) included, so the
+`max_staleness + 1`-th step counted from the one in flight takes it at the
+latest; that step claims at version `v + max_staleness` and still accepts
+samples of v. Nothing admitted can age past `max_staleness` before a step
+takes it, so stale drops stay near zero at the default `max_staleness` of 1.
+Counting in groups, not episodes, matters: agents that start many groups at
+once and fill them one member at a time would otherwise open twice as many
+groups as the trainer absorbs in time.
 
-Two exceptions keep the hold from deadlocking:
+A sample records the version its backend served, which trails the store's
+newest between a step's commit and the hot swap (`WeightSync`). Each version
+the backend is behind uses up one step of the budget: the capacity in force
+is `(max_staleness + 1 - lag) x groups_per_step` units, so right after a step
+commits, new conversations wait for the swap rather than sample on weights
+that are already a version old.
 
-* a member of a group that already has unconsumed members and is still short
-  of `group_size` is admitted over capacity (bounded by the group's size):
-  holding it could leave every slot to groups that wait for their last
-  members, and then no step would ever free one;
-* an episode is always admitted into an empty run, whatever its `n`.
-
+This is AReaL's rollout capacity, `(max_head_offpolicyness + version + 1) x
+batch - samples` (areal/core/staleness_manager.py), counted from the store
+instead of a process counter, so it holds across gateway processes.
 Zero-variance, stale and incomplete groups are consumed by the scheduler's
 pass like trained ones, and open episodes expire after `episode_timeout_s`,
 so capacity always frees.
 
 The hold. A request over capacity waits server-side (before a stream starts)
 in a per-run FIFO. One poller per run with waiters re-counts the store every
-`poll_s` (never one query per waiter) and admits waiters while capacity
-allows. A waiter not admitted within the run's `admission_wait_s` gets 429
-with `Retry-After: 60`, which the openai SDK honours (it retries twice by
+`poll_s` (never one query per waiter) and admits waiters while they fit. A
+waiter not admitted within the run's `admission_wait_s` gets 429 with
+`Retry-After: 60`, which the openai SDK honours (it retries twice by
 default); a run paused or stopped meanwhile answers its usual 429 at once.
-
-Reservations (admitted, not stored) are dropped when the episode shows up in
-the store, or after `reservation_ttl_s` for a request that failed before
-storing anything.
+Reservations (admitted, not stored) end when the episode shows up in the
+store, or after `reservation_ttl_s` for a request that failed before storing.
 """
 
 from __future__ import annotations
@@ -54,14 +58,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import RateLimited
 from gateway.services.episodes import Placement
-from gateway.store.episodes import stored_episode_ids, unconsumed_episodes
+from gateway.store.episodes import stored_episode_ids, unconsumed_by_group
 from gateway.store.models import Run
 from gateway.store.status import UNGROUPED
 from trainer.config import RunConfig
@@ -71,11 +76,35 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 60  # the most the openai SDK's default retries honour
 
 
-def capacity(cfg: RunConfig) -> int:
-    """Unconsumed episodes a run admits (see the module docstring for why)."""
+def group_capacity(cfg: RunConfig, lag: int = 0) -> int | None:
+    """Group units a run admits while its backend serves `lag` versions behind the store's
+    newest; None under a `max_pending_episodes` override."""
     if cfg.max_pending_episodes is not None:
-        return cfg.max_pending_episodes
-    return (cfg.max_staleness + 1) * cfg.group_size * cfg.groups_per_step
+        return None
+    return max(0, cfg.max_staleness + 1 - lag) * cfg.groups_per_step
+
+
+def capacity(cfg: RunConfig, lag: int = 0) -> int:
+    """The same in episodes: `(max_staleness + 1 - lag) x group_size x groups_per_step`."""
+    groups = group_capacity(cfg, lag)
+    return cfg.max_pending_episodes if groups is None else groups * cfg.group_size
+
+
+def units(load: Counter[str], group_size: int) -> int:
+    """Group units of unconsumed episodes counted per group id (see the module docstring)."""
+    return sum(-(-n // group_size) for n in load.values())
+
+
+def fits(load: Counter[str], group: str, n: int, cfg: RunConfig, lag: int = 0) -> bool:
+    """Whether `n` new episodes of `group` (UNGROUPED: none named) may start now."""
+    before = units(load, cfg.group_size)
+    if before == 0:
+        return True  # an empty run takes any call, whatever its n
+    after = units(load + Counter({group: n}), cfg.group_size)
+    joins = after == before and load[group] > 0  # fills a group short of members
+    if cfg.max_pending_episodes is not None:
+        return (joins and group != UNGROUPED) or (load.total() + n <= cfg.max_pending_episodes)
+    return joins or after <= group_capacity(cfg, lag)
 
 
 def run_unavailable(run_id: str, status: str) -> RateLimited:
@@ -92,15 +121,17 @@ def episode_ids(placement: Placement, n: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Usage:
-    capacity: int
+    capacity: int  # episodes
     in_use: int  # unconsumed episodes, reservations included
+    group_capacity: int | None  # group units (None: max_pending_episodes overrides)
+    groups_in_use: int
     held: int  # new conversations this process holds for the run right now
 
 
 @dataclass
 class _Waiter:
     ids: list[str]
-    group_id: str | None
+    group: str
     admitted: asyncio.Future[None]
 
 
@@ -108,7 +139,7 @@ class _Waiter:
 class _Gate:
     """One run's admission state in this process."""
 
-    reserved: dict[str, tuple[float, str | None]] = field(default_factory=dict)  # id -> (ttl, g)
+    reserved: dict[str, tuple[float, str]] = field(default_factory=dict)  # id -> (until, group)
     waiters: deque[_Waiter] = field(default_factory=deque)
     poller: asyncio.Task | None = None
 
@@ -119,10 +150,12 @@ class Admission:
     def __init__(
         self,
         sessions: async_sessionmaker[AsyncSession],
+        serving_version: Callable[[str], int | None] = lambda run_id: None,
         poll_s: float = 0.5,
         reservation_ttl_s: float = 300.0,
     ) -> None:
         self.sessions = sessions
+        self.serving_version = serving_version  # run id -> the version its backend serves
         self.poll_s = poll_s
         self.reservation_ttl_s = reservation_ttl_s
         self._gates: dict[str, _Gate] = {}
@@ -135,15 +168,14 @@ class Admission:
         ids = episode_ids(placement, n)
         if any(i in gate.reserved for i in ids):
             return  # a concurrent turn of an episode admitted here, not stored yet
-        group = placement.group_id if placement.group_id not in (None, UNGROUPED) else None
+        group = placement.group_id or UNGROUPED
         async with self.sessions() as s:
             if placement.link != "new" and await stored_episode_ids(s, run.id, ids):
                 return  # a named episode that exists: a later turn
             if not gate.waiters:  # FIFO: nobody overtakes those already waiting
-                in_use = await self._in_use(s, run.id, gate)
-                if _has_room(in_use, len(ids), capacity(cfg)) or await self._completes_group(
-                    s, run.id, gate, group, cfg.group_size
-                ):
+                fresh = await s.get(Run, run.id)  # the caller's run may be a cached copy
+                lag = self._lag_of(fresh or run)
+                if fits(await self._load(s, run.id, gate), group, len(ids), cfg, lag):
                     self._reserve(gate, ids, group)
                     return
         if cfg.admission_wait_s == 0:
@@ -164,11 +196,18 @@ class Admission:
             with contextlib.suppress(ValueError):
                 gate.waiters.remove(waiter)
 
-    async def usage(self, s: AsyncSession, run_id: str, cfg: RunConfig) -> Usage:
-        """The run's capacity and what fills it, as this process sees it."""
-        gate = self._gates.get(run_id) or _Gate()
-        in_use = await self._in_use(s, run_id, gate)
-        return Usage(capacity(cfg), in_use, len(gate.waiters))
+    async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> Usage:
+        """The run's capacity in force and what fills it, as this process sees it."""
+        gate = self._gates.get(run.id) or _Gate()
+        load = await self._load(s, run.id, gate)
+        lag = self._lag_of(run)
+        return Usage(
+            capacity=capacity(cfg, lag),
+            in_use=load.total(),
+            group_capacity=group_capacity(cfg, lag),
+            groups_in_use=units(load, cfg.group_size),
+            held=len(gate.waiters),
+        )
 
     async def _poll(self, run_id: str, gate: _Gate) -> None:
         """Re-count the store every `poll_s` and admit waiters in order while they fit."""
@@ -190,48 +229,45 @@ class Admission:
                 gate.waiters.clear()
                 return
             cfg = RunConfig.model_validate(run.config)
-            in_use = await self._in_use(s, run_id, gate)
-            blocked = False  # once one waiter does not fit, only group members pass it
-            for w in list(gate.waiters):
-                if w.admitted.done():
-                    continue
-                fits = not blocked and _has_room(in_use, len(w.ids), capacity(cfg))
-                if not fits:
-                    fits = await self._completes_group(s, run_id, gate, w.group_id, cfg.group_size)
-                if w.admitted.done():
-                    continue  # timed out while we counted
-                if not fits:
-                    blocked = True
-                    continue
-                self._reserve(gate, w.ids, w.group_id)
-                in_use += len(w.ids)
-                w.admitted.set_result(None)
-                gate.waiters.remove(w)
+            lag = self._lag_of(run)
+            load = await self._load(s, run_id, gate)
+        blocked = False  # once one waiter does not fit, only those joining a group pass it
+        for w in list(gate.waiters):
+            if w.admitted.done():
+                continue
+            if not fits(load, w.group, len(w.ids), cfg, lag) or (
+                blocked
+                and units(load + Counter({w.group: len(w.ids)}), cfg.group_size)
+                > units(load, cfg.group_size)
+            ):
+                blocked = True
+                continue
+            self._reserve(gate, w.ids, w.group)
+            load[w.group] += len(w.ids)
+            w.admitted.set_result(None)
+            gate.waiters.remove(w)
 
-    async def _completes_group(
-        self, s: AsyncSession, run_id: str, gate: _Gate, group: str | None, group_size: int
-    ) -> bool:
-        """A group with unconsumed members, still short of group_size: let the next one in."""
-        if group is None:
-            return False
-        members = await unconsumed_episodes(s, run_id, group)
-        members += sum(1 for _, g in gate.reserved.values() if g == group)
-        return 0 < members < group_size
+    def _lag_of(self, run: Run) -> int:
+        """Versions the run's backend in this process serves behind the store's newest."""
+        serving = self.serving_version(run.id)
+        return 0 if serving is None else max(0, run.current_version - serving)
 
-    def _reserve(self, gate: _Gate, ids: list[str], group: str | None) -> None:
+    def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
         until = time.monotonic() + self.reservation_ttl_s
         for i in ids:
             gate.reserved[i] = (until, group)
 
-    async def _in_use(self, s: AsyncSession, run_id: str, gate: _Gate) -> int:
-        """Unconsumed episodes in the store plus this process's reservations not stored yet."""
+    async def _load(self, s: AsyncSession, run_id: str, gate: _Gate) -> Counter[str]:
+        """Unconsumed episodes per group: the store's, plus reservations not stored yet."""
         now = time.monotonic()
         for i in [i for i, (until, _) in gate.reserved.items() if until < now]:
             del gate.reserved[i]
         if gate.reserved:
             for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
                 gate.reserved.pop(i, None)
-        return await unconsumed_episodes(s, run_id) + len(gate.reserved)
+        load = Counter(await unconsumed_by_group(s, run_id))
+        load.update(group for _, group in gate.reserved.values())
+        return load
 
 
 def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:
@@ -242,8 +278,3 @@ def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:
         retry_after_s=RETRY_AFTER_S,
         code="admission_capacity",
     )
-
-
-def _has_room(in_use: int, n: int, cap: int) -> bool:
-    """Below capacity after admitting `n`; an empty run always takes a call, whatever its n."""
-    return in_use == 0 or in_use + n <= cap

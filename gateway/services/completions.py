@@ -81,7 +81,7 @@ class ChatService:
     ) -> None:
         self.sessions = sessions
         self.pool = pool
-        self.admission = admission or Admission(sessions)
+        self.admission = admission or Admission(sessions, pool.serving_version)
         # Without a started writer (no app lifespan) each store is its own transaction.
         self.capture = capture or CaptureWriter(sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}

@@ -83,7 +83,7 @@ class RunStatusService:
                 snapshot, run.current_version, datetime.now(UTC), BatchConfig.from_run_config(cfg)
             )
             flight = await step_in_flight(s, run_id)
-            usage = await self.admission.usage(s, run_id, cfg)
+            usage = await self.admission.usage(s, run, cfg)
             rows = await episodes_with_groups(
                 s, run_id, {e for e, _ in asks if e}, {g for _, g in asks if g}
             )
@@ -104,7 +104,13 @@ class RunStatusService:
                 groups_per_step=cfg.groups_per_step,
                 in_flight=flight is not None,
             ),
-            admission=AdmissionState(capacity=usage.capacity, in_use=usage.in_use, held=usage.held),
+            admission=AdmissionState(
+                capacity=usage.capacity,
+                in_use=usage.in_use,
+                group_capacity=usage.group_capacity,
+                groups_in_use=usage.groups_in_use,
+                held=usage.held,
+            ),
         )
         answers = []
         for episode_id, group_id in asks:

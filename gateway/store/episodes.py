@@ -16,16 +16,14 @@ from gateway.store.runs import bump_counter
 from gateway.store.status import PENDING_EPISODE, UNCONSUMED_EPISODE, UNGROUPED, EpisodeStatus
 
 
-async def unconsumed_episodes(
-    session: AsyncSession, run_id: str, group_id: str | None = None
-) -> int:
-    """Episodes a step may still take (open, rewarded or queued), of the run or of one group."""
-    stmt = select(func.count()).where(
-        Episode.run_id == run_id, Episode.status.in_(UNCONSUMED_EPISODE)
+async def unconsumed_by_group(session: AsyncSession, run_id: str) -> dict[str, int]:
+    """Group id -> episodes a step may still take (open, rewarded or queued)."""
+    stmt = (
+        select(Episode.group_id, func.count())
+        .where(Episode.run_id == run_id, Episode.status.in_(UNCONSUMED_EPISODE))
+        .group_by(Episode.group_id)
     )
-    if group_id is not None:
-        stmt = stmt.where(Episode.group_id == group_id)
-    return int((await session.execute(stmt)).scalar_one())
+    return {g: int(n) for g, n in (await session.execute(stmt)).all()}
 
 
 async def stored_episode_ids(session: AsyncSession, run_id: str, ids: list[str]) -> list[str]:

@@ -23,11 +23,18 @@ def full(gateway_server) -> tuple[dict, httpx.Client, dict]:
     """A run whose one place is taken by episode `first` (group `g`), and an HTTP client."""
     run = gateway_server.create_run(
         name="admission-full",
-        config={"max_pending_episodes": 1, "admission_wait_s": 0, "group_size": 2,
-                "groups_per_step": 1, "micro_batch_size": 2},  # fmt: skip
+        config={
+            "max_pending_episodes": 1,
+            "admission_wait_s": 0,
+            "group_size": 2,
+            "groups_per_step": 1,
+            "micro_batch_size": 2,
+        },
     )
     http = httpx.Client(
-        base_url=gateway_server.url, headers={"Authorization": f"Bearer {run['api_key']}"}
+        base_url=gateway_server.url,
+        headers={"Authorization": f"Bearer {run['api_key']}"},
+        timeout=60,
     )
     first = http.post(
         "/groups/g/episodes/first/v1/chat/completions",
@@ -61,11 +68,14 @@ def test_a_new_conversation_over_capacity_gets_429_with_retry_after(full, path, 
 
 
 def test_a_later_turn_of_the_admitted_episode_goes_on(full) -> None:
-    run, http, first = full
+    run, http, _ = full
     resp = http.post(
         "/groups/g/episodes/first/v1/chat/completions",
-        json={"model": run["name"], "messages": [{"role": "user", "content": "x"}],
-              "max_tokens": 2},  # fmt: skip
+        json={
+            "model": run["name"],
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+        },
     )
     assert resp.status_code == 200, resp.text
 
@@ -81,18 +91,24 @@ def test_the_openai_sdk_sees_a_rate_limit_error_after_its_retries(full, monkeypa
 
 
 def test_status_and_reward_answers_say_where_the_samples_stand(full) -> None:
-    run, http, first = full
+    run, http, _ = full
     status = http.get("/v1/runs/self").json()
     assert status["object"] == "run.progress" and status["run_id"] == run["run_id"]
     assert status["version"] == 0 and status["status"] == "active"
-    assert status["admission"] == {"capacity": 1, "in_use": 1, "held": 0}
+    assert status["admission"] == {
+        "capacity": 1,
+        "in_use": 1,
+        "group_capacity": None,  # max_pending_episodes overrides the group capacity
+        "groups_in_use": 1,
+        "held": 0,
+    }
     assert status["next_step"] == {
         "step": 0,
         "ready_groups": 0,
         "groups_per_step": 1,
         "in_flight": False,
     }
-    ack = http.post("/v1/rewards", json={"completion_id": first["id"], "reward": 1.0}).json()
+    ack = http.post("/v1/rewards", json={"episode_id": "first", "reward": 1.0}).json()
     assert ack["episode_status"] == "rewarded"
     progress = ack["progress"]
     assert progress["episode"] == {"id": "first", "state": "waiting", "step": None, "episodes": 1}

@@ -8,6 +8,7 @@ Deadlines are the run's `admission_wait_s`; no test asserts a duration.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,12 +17,19 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import RateLimited, error_response
-from gateway.services.admission import RETRY_AFTER_S, Admission, capacity
+from gateway.services.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    capacity,
+    fits,
+    group_capacity,
+    units,
+)
 from gateway.services.episodes import Placement
 from gateway.store.db import make_async_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Run
-from gateway.store.status import EpisodeStatus
+from gateway.store.status import UNGROUPED, EpisodeStatus
 from trainer.config import RunConfig
 
 RUN = "run_a"
@@ -36,10 +44,20 @@ async def sessions(tmp_path: Path) -> AsyncIterator[async_sessionmaker[AsyncSess
     await engine.dispose()
 
 
-async def seed(sessions, config: dict, episodes: dict[str, tuple[str, EpisodeStatus]]) -> Run:
-    """The run and its episodes: id -> (group, status)."""
+async def seed(
+    sessions, config: dict, episodes: dict[str, tuple[str, EpisodeStatus]], version: int = 0
+) -> Run:
+    """The run at `version` and its episodes: id -> (group, status)."""
     async with sessions.begin() as s:
-        run = Run(id=RUN, name="a", model="tiny", model_path="/x", config=config, counters={})
+        run = Run(
+            id=RUN,
+            name="a",
+            model="tiny",
+            model_path="/x",
+            config=config,
+            counters={},
+            current_version=version,
+        )
         s.add(run)
         await s.flush()
         for eid, (group, status) in episodes.items():
@@ -66,7 +84,7 @@ def new(eid: str, group: str | None = None, link: str = "path") -> Placement:
 async def until_held(admission: Admission, sessions, cfg: RunConfig, held: int) -> None:
     while True:
         async with sessions() as s:
-            if (await admission.usage(s, RUN, cfg)).held == held:
+            if (await admission.usage(s, await s.get(Run, RUN), cfg)).held == held:
                 return
         await asyncio.sleep(0.01)
 
@@ -96,15 +114,15 @@ async def test_only_unconsumed_episodes_and_reservations_fill_capacity(sessions)
     )
     admission = Admission(sessions, poll_s=0.02)
     async with sessions() as s:
-        assert (await admission.usage(s, RUN, cfg)).in_use == 3
+        assert (await admission.usage(s, run, cfg)).in_use == 3
     await admission.admit(run, cfg, new("n1", link="new"))  # 3 + 1 <= 4: admitted
     async with sessions() as s:
-        assert (await admission.usage(s, RUN, cfg)).in_use == 4  # its reservation counts
+        assert (await admission.usage(s, run, cfg)).in_use == 4  # its reservation counts
     with pytest.raises(RateLimited):
         await admission.admit(run, cfg, new("n2", link="new"))  # full: held 0 s, then 429
     await store_episode(sessions, "n1")  # its first completion stored: counted once, not twice
     async with sessions() as s:
-        assert (await admission.usage(s, RUN, cfg)).in_use == 4
+        assert (await admission.usage(s, run, cfg)).in_use == 4
 
 
 async def test_over_capacity_is_held_then_admitted_when_a_step_consumes(sessions) -> None:
@@ -119,7 +137,7 @@ async def test_over_capacity_is_held_then_admitted_when_a_step_consumes(sessions
     await set_status(sessions, ["a", "b"], status=EpisodeStatus.TRAINED)  # the step committed
     await held  # admitted, no error
     async with sessions() as s:
-        usage = await admission.usage(s, RUN, cfg)
+        usage = await admission.usage(s, run, cfg)
     assert (usage.held, usage.in_use) == (0, 1)
 
 
@@ -136,7 +154,7 @@ async def test_past_the_deadline_the_answer_is_429_with_a_retry_after_the_sdk_ho
     assert response.status_code == 429 and response.headers["Retry-After"] == "60"
     assert exc.value.code == "admission_capacity"
     async with sessions() as s:
-        assert (await admission.usage(s, RUN, cfg)).held == 0  # it left the queue
+        assert (await admission.usage(s, run, cfg)).held == 0  # it left the queue
 
 
 async def test_later_turns_are_never_held(sessions) -> None:
@@ -153,8 +171,9 @@ async def test_later_turns_are_never_held(sessions) -> None:
 
 
 async def test_a_group_short_of_its_members_is_completed_over_capacity(sessions) -> None:
-    # Every slot belongs to groups waiting for their second member: holding those members
-    # would stall the run until group_timeout_s. They pass; a new group's episode waits.
+    # More groups than the capacity wait for their second member (as after a backend lag):
+    # holding those members would stall the run until group_timeout_s. They pass; a new
+    # group's episode waits.
     cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
     assert capacity(cfg) == 4
     run = await seed(
@@ -199,3 +218,46 @@ async def test_a_held_call_of_a_run_that_is_paused_gets_the_runs_429(sessions) -
     with pytest.raises(RateLimited) as exc:
         await held
     assert "paused" in exc.value.message and exc.value.retry_after_s == 5
+
+
+async def test_a_backend_behind_the_store_shrinks_capacity_by_a_step_per_version(sessions) -> None:
+    # Right after a step commits version 3, the backend still serves 2 until the hot swap:
+    # what it samples now is already a version old, so one step of the budget is used up.
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
+    assert capacity(cfg) == 4 and capacity(cfg, lag=1) == 2 and capacity(cfg, lag=2) == 0
+    run = await seed(
+        sessions,
+        cfg.model_dump(),
+        {"a": ("g", EpisodeStatus.REWARDED), "b": ("g", EpisodeStatus.REWARDED)},
+        version=3,
+    )
+    serving = {RUN: 2}
+    admission = Admission(sessions, serving.get, poll_s=0.02)
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("c", "h"))  # 2 in use, capacity 2 while behind
+    serving[RUN] = 3  # swapped in
+    await admission.admit(run, cfg, new("c", "h"))
+
+
+async def test_capacity_counts_groups_so_sequentially_filled_groups_do_not_overshoot(
+    sessions,
+) -> None:
+    # Agents that start several groups at once and fill them one member at a time: only as
+    # many groups open as two steps take; their second members always get in.
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
+    assert group_capacity(cfg) == 2 and capacity(cfg) == 4
+    run = await seed(sessions, cfg.model_dump(), {})
+    admission = Admission(sessions, poll_s=0.02)
+    await admission.admit(run, cfg, new("a1", "a"))
+    await admission.admit(run, cfg, new("b1", "b"))
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("c1", "c"))  # a third group: over two units
+    await admission.admit(run, cfg, new("a2", "a"))
+    await admission.admit(run, cfg, new("b2", "b"))
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("a3", "a"))  # a third member opens a unit
+    # ungrouped episodes count as pool chunks of group_size
+    assert fits(Counter({"a": 2}), UNGROUPED, 2, cfg)
+    assert not fits(Counter({"a": 2, UNGROUPED: 2}), UNGROUPED, 1, cfg)
+    assert fits(Counter({"a": 2, UNGROUPED: 1}), UNGROUPED, 1, cfg)  # fills its chunk
+    assert units(Counter({"a": 3, UNGROUPED: 3}), 2) == 4
