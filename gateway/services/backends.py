@@ -57,6 +57,11 @@ class BackendPool:
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
 
+    def serving_version(self, run_id: str) -> int | None:
+        """The policy version the run's backend serves now; None: not loaded here."""
+        serving = self._serving.get(run_id)
+        return None if serving is None else serving.backend.version
+
     async def get(
         self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
     ) -> RunServing:
