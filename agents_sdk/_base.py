@@ -42,6 +42,9 @@ class RewardAck:
     episode_status: str
     # True when the idempotency key had been seen: this post was not stored again.
     duplicate: bool = False
+    # Where the run, the episode and its group stand now (GET /v1/runs/self's answer):
+    # version, next_step (ready_groups, groups_per_step), admission, episode, group.
+    progress: dict[str, Any] | None = None
 
 
 class RewardTarget(TypedDict, total=False):
@@ -214,6 +217,7 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
                 reward=data["reward"],
                 episode_status=data["episode_status"],
                 duplicate=data.get("duplicate", False),
+                progress=data.get("progress"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise APIResponseError(

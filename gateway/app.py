@@ -30,9 +30,11 @@ from gateway.routes import (
     replicas,
     responses,
     rewards,
+    run_status,
     runs,
 )
 from gateway.services.admin_state import close_admin_services, install_admin_services
+from gateway.services.admission import Admission
 from gateway.services.backends import BackendPool
 from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
@@ -41,6 +43,7 @@ from gateway.services.keys import KeyService
 from gateway.services.quotas import QuotaMiddleware
 from gateway.services.rewards import RewardService
 from gateway.services.run_replicas import ReplicaService
+from gateway.services.run_status import RunStatusService
 from gateway.services.runs import RunService
 from gateway.services.training import TrainingScheduler, WeightSync
 from gateway.store.db import make_async_engine
@@ -68,6 +71,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             max_batch_size=settings.max_batch_size,
             sessions=sessions,
             replica_config=settings.replica_config(),
+            threads=settings.threads().backend,
         )
         celery = make_celery(settings.queue())
         scheduler = TrainingScheduler(
@@ -83,7 +87,9 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         )
         capture.start()
         app.state.capture = capture
-        app.state.chat = ChatService(sessions, pool, capture)
+        admission = Admission(sessions, pool.serving_version)
+        app.state.chat = ChatService(sessions, pool, capture, admission)
+        app.state.run_status = RunStatusService(sessions, admission)
         app.state.rewards = RewardService(sessions)
         app.state.runs = RunService(
             sessions, pool, settings.models_dir, local_trainer=not settings.broker_url
@@ -130,7 +136,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.include_router(prometheus_router)
     install_dashboard(app)
     for prefix in EPISODE_PREFIXES:
-        for agent in (chat, models, completions, responses, rewards):
+        for agent in (chat, models, completions, responses, rewards, run_status):
             app.include_router(agent.router, prefix=prefix, include_in_schema=prefix == "")
 
     @app.get("/", include_in_schema=False)

@@ -256,6 +256,52 @@ class RewardRequest(BaseModel):
         return self
 
 
+class NextStep(BaseModel):
+    """What the run's next train step waits for."""
+
+    step: int  # its number: it trains version `step` into `step + 1`
+    ready_groups: int  # groups that could train now
+    groups_per_step: int  # groups it takes; it starts once ready_groups reaches this
+    in_flight: bool  # a step is queued or running (the next one is claimed after it)
+
+
+class AdmissionState(BaseModel):
+    """The run's admission capacity (docs/rewards.md, "Keeping up with the trainer")."""
+
+    capacity: int  # unconsumed episodes the run admits before new conversations are held
+    in_use: int  # open, rewarded and queued episodes (plus admitted ones not stored yet)
+    group_capacity: int | None  # the same in groups (None: max_pending_episodes overrides)
+    groups_in_use: int  # unconsumed groups (a group of more than group_size counts more)
+    held: int  # new conversations this gateway process is holding now
+
+
+class SampleState(BaseModel):
+    """What happened to an episode or a group.
+
+    state: open (waiting for its reward), waiting (its group is incomplete),
+    ready (waits for a step), queued or trained (at `step`), stale,
+    skipped_zero_variance or dropped_incomplete (never trains), expired.
+    """
+
+    id: str
+    state: str
+    step: int | None = None  # queued or trained at this step
+    episodes: int = 1  # members counted (a group)
+
+
+class RunProgress(BaseModel):
+    """GET /v1/runs/self, and `progress` in a reward acknowledgement."""
+
+    object: Literal["run.progress"] = "run.progress"
+    run_id: str
+    status: str  # active, paused, stopped, failed
+    version: int  # the newest policy version
+    next_step: NextStep
+    admission: AdmissionState
+    episode: SampleState | None = None  # the episode asked about
+    group: SampleState | None = None  # its group (or the group asked about)
+
+
 class RewardAck(BaseModel):
     object: Literal["reward"] = "reward"
     id: int
@@ -265,6 +311,8 @@ class RewardAck(BaseModel):
     reward: float
     episode_status: str
     duplicate: bool = False
+    # --- rlgate: where the episode and its group stand after this reward
+    progress: RunProgress | None = None
 
 
 class RunCreate(BaseModel):

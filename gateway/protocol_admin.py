@@ -14,6 +14,8 @@ LIVE_CONFIG_KEYS = frozenset(
         "groups_per_step",
         "max_staleness",
         "max_pending_episodes",
+        "admission_wait_s",
+        "zero_variance_groups",
         "episode_timeout_s",
         "group_timeout_s",
         "incomplete_groups",
@@ -129,6 +131,15 @@ class CountersPublic(BaseModel):
     counters: dict[str, Any]
 
 
+class ThreadsStatus(BaseModel):
+    """The torch thread budget (`RLGATE_BACKEND_THREADS`, `RLGATE_TRAINER_THREADS`)."""
+
+    cores: int  # cores this gateway may run on (its affinity mask)
+    backend_threads: int  # budget of the local backend
+    trainer_threads: int  # budget of the train worker (its own process reads the same settings)
+    backends: dict[str, int]  # run id -> torch threads its loaded local backend samples on
+
+
 class WorkersStatus(BaseModel):
     broker: str
     workers: dict[str, Any]  # worker name -> {active, reserved, ...}
@@ -137,6 +148,7 @@ class WorkersStatus(BaseModel):
     queue_depth: int | None  # messages waiting in the broker, when it can be asked
     pending_steps: int  # train steps queued or running in the store
     error: str | None = None
+    threads: ThreadsStatus | None = None  # torch threads of sampling and training
 
 
 class KeyLimits(BaseModel):

@@ -94,7 +94,9 @@ class LocalBackend:
         device: str = "cpu",
         decode: Callable[[list[int]], str] | None = None,
         max_pending: int = 512,
+        threads: int = 0,
     ) -> None:
+        """`threads`: torch intra-op threads of the thread that runs the model; 0: torch's."""
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
@@ -107,6 +109,8 @@ class LocalBackend:
         self.model.to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id or 0
         self._version = version
+        self.threads = threads
+        self.torch_threads: int | None = None  # what the model thread runs on, once started
         self._queue: queue.Queue[_Job | _Swap | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
         self._closed = False
@@ -153,6 +157,12 @@ class LocalBackend:
     # --- worker thread -------------------------------------------------------
 
     def _serve(self) -> None:
+        # Torch's thread count is per OS thread once that thread has run an op: set it here,
+        # in the one thread that runs the model, not in whichever thread built the backend.
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        self.torch_threads = torch.get_num_threads()
+        logger.info("local backend samples on %d torch threads", self.torch_threads)
         while True:
             item = self._queue.get()
             if item is None:

@@ -57,7 +57,8 @@ class BackendKind:
     label: str = ""  # in messages, e.g. "vLLM"; default: `name`
     # remote: (url: str, version: int) -> Backend for the server at `url`
     connect: Ref | None = None
-    # in-process: (weights dir, *, version, max_batch_size, decode) -> Backend with .max_context
+    # in-process: (weights dir, *, version, max_batch_size, decode, threads) -> Backend with
+    # .max_context (threads: torch threads of the thread that runs the model; 0: torch's)
     load: Ref | None = None
     # (ServerConfig) -> argv starting the server; None: `rlgate inference serve` cannot start it
     server_command: Ref | None = None

@@ -1,11 +1,16 @@
-"""`rlgate bench train`: training tokens/s with packed micro-batches against padded ones.
+"""`rlgate bench train`: packed against padded tokens/s, and a worker step against a bare loop.
 
-Both modes run the same `FsdpEngine` (a one-rank process group in this
-process) on the same batch of variable-length samples; only
+`ratio`: both modes run the same `FsdpEngine` (a one-rank process group in
+this process) on the same batch of variable-length samples; only
 `ParallelConfig.packing` differs. Tokens/s counts real tokens (prompt and
 completion, never padding), so the ratio is padded time / packed time.
 One warm-up step per mode, then the modes alternate for `repeats` steps and
-the median is reported. The last printed line is one JSON object.
+the median is reported.
+
+`step_ratio`: a 16-completion train step through the worker's code path
+against a bare transformers loop on the same batch (`rlgate.bench_train_step`).
+Both parts run on the same torch thread count, printed. The last printed
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlgate.bench_dirs import add_dir_arguments, model_cache
+from rlgate.bench_dirs import add_dir_arguments, model_cache, work_dir
 
 if TYPE_CHECKING:  # torch is imported only when the bench runs, not when the CLI parses
     from trainer.batch import Sample
@@ -125,7 +130,7 @@ def bench_train(
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The bench's options, for its own parser or an `rlgate bench train` subparser."""
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF directory")
-    add_dir_arguments(p)
+    add_dir_arguments(p, work="the step_ratio part's store and checkpoints")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
@@ -133,12 +138,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pack-tokens", type=int, default=1024, help="packed mode token budget")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default 0: the trainer's budget, RLGATE_TRAINER_THREADS)",
+    )
+    p.add_argument(
+        "--step-repeats", type=int, default=5, help="step_ratio: warm steps timed per side"
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench from parsed options; prints a line per mode, then the JSON line."""
+    from inference.models import resolve_model
+    from rlgate.bench_train_step import bench_step_ratio
+    from rlgate.settings import Settings
+
+    threads = args.threads or Settings().threads().trainer
+    print(f"torch threads: {threads}")
     result = bench_train(
         model=args.model,
         cache_dir=args.cache_dir,
@@ -149,8 +168,11 @@ def run(args: argparse.Namespace) -> int:
         pack_tokens=args.pack_tokens,
         repeats=args.repeats,
         seed=args.seed,
-        threads=args.threads,
+        threads=threads,
     )
+    model_dir = resolve_model(args.model, model_cache(args.cache_dir))
+    with work_dir("train", args.work_dir) as work:
+        result |= bench_step_ratio(model_dir, work, threads, args.step_repeats)
     print(json.dumps(result))
     return 0
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
@@ -15,6 +17,40 @@ from trainer.metrics_sinks import MetricsSinkConfig
 logger = logging.getLogger(__name__)
 
 DEV_ADMIN_KEY = "rlgate-dev-admin-key"
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS): every core
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """Torch intra-op threads for the gateway's local backend and for the train worker."""
+
+    cores: int
+    backend: int
+    trainer: int
+
+
+def thread_budget(cores: int, backend: int = 0, trainer: int = 0) -> ThreadBudget:
+    """Split `cores` between sampling and training; a 0 is derived, a positive value is kept.
+
+    Derived: the backend gets half the cores (rounded down, at least 1) and the
+    trainer the rest, so the two together never exceed `cores` (one core: 1 + 1,
+    the least either can run on). On 2 cores that is 1 + 1: measured in
+    docs/configuration.md, a train step on 1 thread while sampling runs beside it
+    is faster than two processes of 2 threads fighting over 2 cores.
+    """
+    cores = max(1, cores)
+    if backend <= 0:
+        backend = max(1, (cores - trainer) if trainer > 0 else cores // 2)
+    if trainer <= 0:
+        trainer = max(1, cores - backend)
+    return ThreadBudget(cores, backend, trainer)
 
 
 class Settings(BaseSettings):
@@ -33,6 +69,14 @@ class Settings(BaseSettings):
     model_cache_dir: Path | None = Field(None, description="default: data_dir")
     max_body_bytes: int = Field(4 * 1024 * 1024, description="larger request bodies get 413")
     max_batch_size: int = Field(32, ge=1, description="local backend batch size")
+    backend_threads: int = Field(
+        0, ge=0, description="torch threads of the gateway's local backend; 0: derived from cores"
+    )
+    trainer_threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads of the train worker (split over torchrun ranks); 0: derived",
+    )
     vllm_python: str = Field("", description="python of vLLM's own venv; empty: the cached one")
     sglang_python: str = Field("", description="python of SGLang's own environment")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
@@ -99,6 +143,10 @@ class Settings(BaseSettings):
     @property
     def checkpoints_dir(self) -> Path:
         return self.data_dir.resolve() / "checkpoints"
+
+    def threads(self) -> ThreadBudget:
+        """`backend_threads` and `trainer_threads`, each 0 derived from this process's cores."""
+        return thread_budget(available_cores(), self.backend_threads, self.trainer_threads)
 
     def resolved_admin_key(self) -> str:
         if self.admin_key:

@@ -65,7 +65,17 @@ class RunConfig(BaseModel):
         False, description="keep AdamW's moments on disk so a restarted worker resumes them"
     )
     max_pending_episodes: int | None = Field(
-        None, ge=1, description="429 new calls while this many episodes wait to train"
+        None,
+        ge=1,
+        description="admission capacity override: at most this many unconsumed episodes "
+        "(None: (max_staleness + 1) x group_size x groups_per_step; see docs/rewards.md)",
+    )
+    admission_wait_s: float = Field(
+        120.0,
+        ge=0,
+        le=500,
+        description="how long a new conversation over capacity is held before a 429 "
+        "(Retry-After 60); under the openai SDK's 600 s timeout",
     )
     # --- how rewards reach tokens (see trainer.returns)
     reward_policy: Literal["broadcast", "terminal", "discounted"] = "broadcast"
@@ -87,6 +97,11 @@ class RunConfig(BaseModel):
     )
     incomplete_groups: Literal["train", "drop"] = Field(
         "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
+    )
+    zero_variance_groups: Literal["skip", "train"] = Field(
+        "skip",
+        description="skip a group whose rewards are all equal, or train it (zero advantage, "
+        "as TRL does; it still fills its place in the step)",
     )
     tool_parser: str = Field("hermes", description="how tool calls are read from sampled text")
     reasoning_parser: Literal["none", "think"] = Field(

@@ -95,12 +95,15 @@ def run_fsdp_step(
     optimizer_in: Path | None = None,
     optimizer_out: Path | None = None,
     timeout_s: float = 3600.0,
+    threads_per_rank: int = 1,
 ) -> dict[str, float]:
     """One step from `checkpoint_dir` (version N) to `out_dir` (N+1) on `world_size` ranks.
 
     `optimizer_in`: AdamW state saved for version N (a missing or mismatched
     one means fresh AdamW, logged by rank 0 and reported as
     `optimizer_resumed: 0`); `optimizer_out`: where the state for N+1 goes.
+    `threads_per_rank`: each rank's `OMP_NUM_THREADS` (torch's intra-op
+    threads), so that the ranks together stay within the trainer's budget.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -134,7 +137,11 @@ def run_fsdp_step(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},  # checkpoints are local directories
+                env={
+                    **os.environ,
+                    "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
+                    "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
+                },
                 start_new_session=True,
             )
             try:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from celery import Celery
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -113,6 +114,7 @@ class Trainer:
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
         if torchrun:  # torchrun ranks in a subprocess: this worker may be a child
+            threads = self._threads_per_rank(cfg.world_size)
             with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
                 metrics = run_fsdp_step(
                     checkpoint,
@@ -131,12 +133,14 @@ class Trainer:
                     optimizer_out=self._fsdp_optimizer_dir(run_id, step + 1)
                     if cfg.save_optimizer_state
                     else None,
+                    threads_per_rank=threads,
                 )
         else:
             metrics = engine.step(samples)
             engine.save(out, model_path)
             if cfg.save_optimizer_state:
                 engine.save_optimizer(self._optimizer_dir(run_id))
+            threads = torch.get_num_threads()
         versions = [s.min_version for s in samples]
         metrics |= {
             "sequences": float(assembly.sequences),
@@ -145,6 +149,7 @@ class Trainer:
             "staleness_max": float(step - min(versions)),
             "staleness_histogram": dict(sorted(Counter(step - v for v in versions).items())),
             "staleness_mean": float(step - statistics.fmean(versions)),
+            "torch_threads": float(threads),  # per rank under torchrun
         }
         duration = time.perf_counter() - t0
         with self.sessions.begin() as s:
@@ -165,6 +170,10 @@ class Trainer:
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
         self.sinks.log(run_id, step + 1, {**metrics, "reward_mean": statistics.fmean(rewards)})
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
+
+    def _threads_per_rank(self, world_size: int) -> int:
+        """The trainer's thread budget split over torchrun ranks (OMP_NUM_THREADS of each)."""
+        return max(1, self.settings.threads().trainer // max(1, world_size))
 
     def _optimizer_dir(self, run_id: str) -> Path:
         """The in-process engine's AdamW state: `optimizer.pt` in the run's checkpoint root."""

@@ -2,18 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+
+import torch
 
 from rlgate.lifeline import die_with_parent
 from rlgate.settings import Settings
 from trainer.celery_app import make_celery
 from trainer.tasks import register_tasks
 
+logger = logging.getLogger(__name__)
+
+
+def apply_threads(settings: Settings) -> int:
+    """Give this process the trainer's torch thread budget; returns the intra-op count.
+
+    Called before any tensor work: the solo pool runs every step in this (main)
+    thread, and the inter-op pool can only be sized before its first use.
+    """
+    budget = settings.threads()
+    torch.set_num_threads(budget.trainer)
+    # steps run ops one after another; a process that already used the pool keeps its size
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    logger.info(
+        "trainer on %d torch threads (%d cores: backend %d, trainer %d)",
+        torch.get_num_threads(),
+        budget.cores,
+        budget.backend,
+        budget.trainer,
+    )
+    return torch.get_num_threads()
+
 
 def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
     """Blocks. Solo pool: one step at a time, and torchrun children can be spawned from it."""
     die_with_parent()  # when started by `rlgate up` or the demo: stop with it
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    apply_threads(settings)
     app = make_celery(settings.queue())
     register_tasks(app, settings)
     app.worker_main(

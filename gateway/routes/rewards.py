@@ -36,4 +36,5 @@ async def post_reward(
     acks = await request.app.state.rewards.post_many(run, [_targeted(b, request) for b in items])
     if any(a.episode_status == EpisodeStatus.REWARDED for a in acks):
         await request.app.state.scheduler.maybe_schedule(run.id)
+    acks = await request.app.state.run_status.with_progress(run.id, acks)
     return acks if isinstance(body, list) else acks[0]

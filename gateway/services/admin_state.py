@@ -28,7 +28,9 @@ def install_admin_services(
     state.run_admin = RunAdmin(sessions, pool, settings.checkpoints_dir)
     state.episode_admin = EpisodeAdmin(sessions)
     state.metrics_admin = MetricsAdmin(sessions)
-    state.worker_admin = WorkerAdmin(sessions, celery, settings.queue_name)
+    state.worker_admin = WorkerAdmin(
+        sessions, celery, settings.queue_name, pool=pool, threads=settings.threads()
+    )
     state.dashboard_signer = SessionSigner(state.admin_key)
     state.quotas = (
         QuotaService.from_url(

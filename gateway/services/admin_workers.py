@@ -9,8 +9,10 @@ from typing import Any
 from celery import Celery
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.protocol_admin import WorkersStatus
+from gateway.protocol_admin import ThreadsStatus, WorkersStatus
+from gateway.services.backends import BackendPool
 from gateway.store.steps import pending_steps
+from rlgate.settings import ThreadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,25 @@ class WorkerAdmin:
         celery: Celery,
         queue: str,
         timeout_s: float = 1.0,
+        pool: BackendPool | None = None,
+        threads: ThreadBudget | None = None,
     ) -> None:
         self.sessions = sessions
         self.celery = celery
         self.queue = queue
         self.timeout_s = timeout_s
+        self.pool = pool
+        self.threads = threads
+
+    def threads_status(self) -> ThreadsStatus | None:
+        if self.threads is None:
+            return None
+        return ThreadsStatus(
+            cores=self.threads.cores,
+            backend_threads=self.threads.backend,
+            trainer_threads=self.threads.trainer,
+            backends=self.pool.backend_threads() if self.pool is not None else {},
+        )
 
     async def status(self) -> WorkersStatus:
         async with self.sessions() as s:
@@ -82,4 +98,5 @@ class WorkerAdmin:
             queue_depth=depth,
             pending_steps=int(pending),
             error=error,
+            threads=self.threads_status(),
         )

@@ -45,8 +45,10 @@ class BackendPool:
         max_batch_size: int = 32,
         sessions: async_sessionmaker[AsyncSession] | None = None,
         replica_config: ReplicaConfig | None = None,
+        threads: int = 0,
     ) -> None:
         self.max_batch_size = max_batch_size
+        self.threads = threads  # torch threads of an in-process backend (0: torch's default)
         self.sessions = sessions  # needed for remote runs (their replica URLs)
         self.replica_config = replica_config or ReplicaConfig()
         self._serving: dict[str, RunServing] = {}
@@ -54,6 +56,11 @@ class BackendPool:
 
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
+
+    def serving_version(self, run_id: str) -> int | None:
+        """The policy version the run's backend serves now; None: not loaded here."""
+        serving = self._serving.get(run_id)
+        return None if serving is None else serving.backend.version
 
     async def get(
         self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
@@ -77,7 +84,11 @@ class BackendPool:
             raise OSError(f"checkpoint {source} of version {version} is missing")
         template = ChatTemplate(model_dir)
         be = registry.get(backend).load_local(
-            source, version, max_batch_size=self.max_batch_size, decode=template.decode
+            source,
+            version,
+            max_batch_size=self.max_batch_size,
+            decode=template.decode,
+            threads=self.threads,
         )
         logger.info("loaded %s (version %d) for serving", source, version)
         return RunServing(be, template, be.max_context)
@@ -145,6 +156,15 @@ class BackendPool:
             await self.unload(run_id)
         else:
             await serving.backend.remove_replica(url)
+
+    def backend_threads(self) -> dict[str, int]:
+        """Run id -> torch threads its in-process backend samples on (remote runs: absent)."""
+        found = {}
+        for run_id, serving in self._serving.items():
+            n = getattr(serving.backend, "torch_threads", None)
+            if n is not None:
+                found[run_id] = int(n)
+        return found
 
     def replica_status(self, run_id: str) -> list[dict] | None:
         """Per replica: name, url, healthy, loading, version, outstanding... (None: not loaded)."""

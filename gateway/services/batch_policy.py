@@ -22,8 +22,11 @@ The rules, in the order they apply:
      rewarded episodes train (if at least two) or are dropped;
    - stale: if any completion of any member was sampled more than
      `max_staleness` versions before the current one, the group is dropped;
-   - zero variance: all rewards equal gives every token zero advantage, so
-     the group is dropped;
+   - zero variance: all rewards equal gives every token zero advantage; by
+     `zero_variance_groups` the group is dropped ("skip", the default) or is
+     ready like any other ("train": it trains with zero advantage, as TRL's
+     GRPOTrainer does, and takes its place in the step, so an agent that
+     sends a fixed batch of groups always sees the step happen);
    - otherwise it is ready.
 4. With fewer than `groups_per_step` ready groups nothing trains (the
    expiries and drops above still stand); otherwise the first
@@ -64,6 +67,7 @@ class BatchConfig:
     episode_timeout_s: float  # an open episode idle this long expires
     group_timeout_s: float  # a group still incomplete this long after it started is judged
     incomplete_groups: Literal["train", "drop"]  # what a timed-out group's rewarded episodes do
+    zero_variance_groups: Literal["skip", "train"] = "skip"  # equal rewards: dropped or trained
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> BatchConfig:
@@ -196,7 +200,10 @@ def _judge(
         for e in members
     ):
         return Verdict.STALE, members
-    if statistics.pstdev([float(e.reward) for e in members]) == 0.0:
+    if (
+        cfg.zero_variance_groups == "skip"
+        and statistics.pstdev([float(e.reward) for e in members]) == 0.0
+    ):
         return Verdict.ZERO_VARIANCE, members
     return Verdict.READY, members
 

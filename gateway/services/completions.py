@@ -22,6 +22,7 @@ from gateway.protocol import (
     TokenLogprob,
     Usage,
 )
+from gateway.services.admission import Admission, run_unavailable
 from gateway.services.backends import BackendPool, RunServing
 from gateway.services.capture import CaptureWriter
 from gateway.services.episodes import (
@@ -34,7 +35,6 @@ from gateway.services.episodes import (
     place,
     with_sampled_answers,
 )
-from gateway.store.episodes import pending_episodes
 from gateway.store.models import Completion, Run
 from gateway.store.runs import checkpoint_of
 from inference.backend import BackendError, BackendOverloaded
@@ -77,9 +77,11 @@ class ChatService:
         sessions: async_sessionmaker[AsyncSession],
         pool: BackendPool,
         capture: CaptureWriter | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.sessions = sessions
         self.pool = pool
+        self.admission = admission or Admission(sessions, pool.serving_version)
         # Without a started writer (no app lifespan) each store is its own transaction.
         self.capture = capture or CaptureWriter(sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}
@@ -114,8 +116,6 @@ class ChatService:
         Every client error is raised here, before a stream could have started.
         """
         explicit_ids(ref, req.metadata)  # validate ids before any work
-        if run.status != "active":
-            raise RateLimited(f"run {run.id} is {run.status}; retry later", retry_after_s=5)
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(req, name):
                 raise InvalidRequest(
@@ -141,16 +141,6 @@ class ChatService:
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
             chain = await ancestry(s, placement.parent)
-            if cfg.max_pending_episodes is not None and placement.parent is None:
-                waiting = await pending_episodes(s, run.id)
-                if waiting >= cfg.max_pending_episodes:
-                    # Online traffic must not outrun training: past this many waiting
-                    # episodes, new conversations wait (later turns of open ones go on).
-                    raise RateLimited(
-                        f"{waiting} episodes are waiting to train (max_pending_episodes); "
-                        "retry after the next step",
-                        retry_after_s=2,
-                    )
         parent = placement.parent
         template = serving.template
         # Our own earlier answers are rendered as the text that was sampled (tool calls
@@ -186,7 +176,16 @@ class ChatService:
             param="messages",
         )
         parser = get_parser(cfg.tool_parser) if req.tools_active() else None
+        await self.admit(run, cfg, placement, req.n or 1)
         return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params, parser)
+
+    async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
+        """The last step of every endpoint's `prepare`, after every client error: a paused or
+        stopped run answers 429, and a new conversation waits here while the trainer cannot
+        absorb it (`gateway.services.admission`)."""
+        if run.status != "active":
+            raise run_unavailable(run.id, run.status)
+        await self.admission.admit(run, cfg, placement, n)
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
         prep = await self.prepare(run, req, ref)

@@ -93,6 +93,7 @@ class TextCompletionService:
             placement = await place(
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
+        await self.chat.admit(run, cfg, placement)
         # `Prepared.req` is read only by chat streaming, which text completions do not use.
         return Prepared(run, req, serving, messages, placement, prompt_ids, False, params)  # type: ignore[arg-type]
 

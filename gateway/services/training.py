@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.services.backends import BackendPool, RunServing
-from gateway.services.batch_policy import BatchConfig, BatchDecision, select_batch
+from gateway.services.batch_policy import BatchConfig, BatchDecision, Verdict, select_batch
 from gateway.store.episodes import (
     apply_batch_decision,
     batch_snapshot,
@@ -152,7 +152,7 @@ class TrainingScheduler:
                 None,
             )
             await s.flush()
-            await mark_queued(s, run_id, batch, step)
+            await mark_queued(s, run_id, batch, step, Verdict.CHOSEN)
             return step, False
 
     async def _decide(self, s: AsyncSession, run: Run) -> BatchDecision:
@@ -168,7 +168,7 @@ class TrainingScheduler:
             s,
             run,
             expired=decision.expired,
-            dropped=[episode_id for episode_id, _reason in decision.dropped],
+            dropped=decision.dropped,
             regrouped=decision.regrouped,
             counters=decision.counters,
         )

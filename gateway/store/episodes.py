@@ -13,13 +13,43 @@ from sqlalchemy.orm import Session
 
 from gateway.store.models import Completion, Episode, Run, as_utc
 from gateway.store.runs import bump_counter
-from gateway.store.status import PENDING_EPISODE, EpisodeStatus
+from gateway.store.status import PENDING_EPISODE, UNCONSUMED_EPISODE, UNGROUPED, EpisodeStatus
 
 
-async def pending_episodes(session: AsyncSession, run_id: str) -> int:
-    """Episodes sampled but not yet queued for training (open or rewarded)."""
-    stmt = select(func.count()).where(Episode.run_id == run_id, Episode.status.in_(PENDING_EPISODE))
-    return int((await session.execute(stmt)).scalar_one())
+async def unconsumed_by_group(session: AsyncSession, run_id: str) -> dict[str, int]:
+    """Group id -> episodes a step may still take (open, rewarded or queued)."""
+    stmt = (
+        select(Episode.group_id, func.count())
+        .where(Episode.run_id == run_id, Episode.status.in_(UNCONSUMED_EPISODE))
+        .group_by(Episode.group_id)
+    )
+    return {g: int(n) for g, n in (await session.execute(stmt)).all()}
+
+
+async def stored_episode_ids(session: AsyncSession, run_id: str, ids: list[str]) -> list[str]:
+    """Those of `ids` that are stored episodes of the run."""
+    if not ids:
+        return []
+    stmt = select(Episode.id).where(Episode.run_id == run_id, Episode.id.in_(ids))
+    return list((await session.execute(stmt)).scalars())
+
+
+async def episodes_with_groups(
+    session: AsyncSession, run_id: str, episode_ids: set[str], group_ids: set[str]
+) -> list[Episode]:
+    """The run's episodes named in `episode_ids` and every member of the groups `group_ids`."""
+    if not episode_ids and not group_ids:
+        return []
+    stmt = select(Episode).where(
+        Episode.run_id == run_id,
+        or_(Episode.id.in_(episode_ids), Episode.group_id.in_(group_ids)),
+    )
+    found = list((await session.execute(stmt)).scalars())
+    more = {e.group_id for e in found if e.id in episode_ids} - group_ids - {UNGROUPED}
+    if more:  # the groups of the episodes asked about
+        stmt = select(Episode).where(Episode.run_id == run_id, Episode.group_id.in_(more))
+        found += list((await session.execute(stmt)).scalars())
+    return found
 
 
 async def episodes_by_status(session: AsyncSession, run_id: str) -> dict[str, int]:
@@ -181,16 +211,22 @@ async def apply_batch_decision(
     run: Run,
     *,
     expired: Iterable[str],
-    dropped: Iterable[str],
+    dropped: Iterable[tuple[str, str]],
     regrouped: Mapping[str, str],
     counters: Mapping[str, int],
 ) -> None:
     """Store what the batch policy decided: status moves, pool chunks' group ids, run counters.
 
-    Takes plain values (see `BatchDecision`) so that the store does not depend on the policy.
+    `dropped` is (episode id, verdict); the verdict is kept in `episodes.verdict` so an agent
+    can learn why. Takes plain values (see `BatchDecision`) so that the store does not depend
+    on the policy.
     """
-    for status, ids in ((EpisodeStatus.EXPIRED, expired), (EpisodeStatus.DROPPED, dropped)):
-        await _set_status(session, run.id, list(ids), status)
+    await _set_status(session, run.id, list(expired), EpisodeStatus.EXPIRED)
+    by_reason: dict[str, list[str]] = {}
+    for episode_id, reason in dropped:
+        by_reason.setdefault(str(reason), []).append(episode_id)
+    for reason, ids in by_reason.items():
+        await _set_status(session, run.id, ids, EpisodeStatus.DROPPED, verdict=reason)
     for episode_id, group_id in regrouped.items():
         await session.execute(
             update(Episode)
@@ -202,23 +238,23 @@ async def apply_batch_decision(
 
 
 async def _set_status(
-    session: AsyncSession, run_id: str, ids: list[str], status: EpisodeStatus
+    session: AsyncSession, run_id: str, ids: list[str], status: EpisodeStatus, **values: Any
 ) -> None:
     if ids:
         await session.execute(
             update(Episode)
             .where(Episode.run_id == run_id, Episode.id.in_(ids))
-            .values(status=status)
+            .values(status=status, **values)
         )
 
 
 async def mark_queued(
-    session: AsyncSession, run_id: str, episode_ids: list[str], step: int
+    session: AsyncSession, run_id: str, episode_ids: list[str], step: int, verdict: str = "chosen"
 ) -> None:
     await session.execute(
         update(Episode)
         .where(Episode.run_id == run_id, Episode.id.in_(episode_ids))
-        .values(status=EpisodeStatus.QUEUED, train_step=step)
+        .values(status=EpisodeStatus.QUEUED, train_step=step, verdict=verdict)
     )
 
 

@@ -99,6 +99,9 @@ class Episode(Base):
     status: Mapped[str] = mapped_column(String(20), default=EpisodeStatus.OPEN)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     train_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The batch policy's last final verdict on its group (gateway.services.batch_policy.Verdict):
+    # why it was dropped (stale, skipped_zero_variance, dropped_incomplete) or "chosen".
+    verdict: Mapped[str | None] = mapped_column(String(30), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     rewarded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

@@ -38,6 +38,9 @@ class StepStatus(StrEnum):
 
 # Sampled but not yet queued for training: what the scheduler looks at.
 PENDING_EPISODE = (EpisodeStatus.OPEN, EpisodeStatus.REWARDED)
+# Not consumed yet: a step may still take them (admission counts these; see
+# gateway.services.admission). Trained, dropped and expired episodes are consumed.
+UNCONSUMED_EPISODE = (EpisodeStatus.OPEN, EpisodeStatus.REWARDED, EpisodeStatus.QUEUED)
 # A step the trainer owns: no second one of the run may be enqueued meanwhile.
 STEP_IN_FLIGHT = (StepStatus.QUEUED, StepStatus.RUNNING)
 

@@ -118,7 +118,10 @@ def test_reasoning_split() -> None:
 def test_pending_capacity_turns_new_conversations_away(gateway_server) -> None:
     import httpx
 
-    run = gateway_server.create_run(name="capacity", config={"max_pending_episodes": 2})
+    # admission_wait_s 0: answer at once instead of holding the call (the default holds it)
+    run = gateway_server.create_run(
+        name="capacity", config={"max_pending_episodes": 2, "admission_wait_s": 0}
+    )
     http = httpx.Client(
         base_url=gateway_server.url, headers={"Authorization": f"Bearer {run['api_key']}"}
     )
@@ -126,7 +129,7 @@ def test_pending_capacity_turns_new_conversations_away(gateway_server) -> None:
     first = [http.post("/v1/chat/completions", json=body) for _ in range(2)]
     assert [r.status_code for r in first] == [200, 200]
     third = http.post("/v1/chat/completions", json=body)
-    assert third.status_code == 429 and third.headers["Retry-After"] == "2"
+    assert third.status_code == 429 and third.headers["Retry-After"] == "60"  # SDK honours it
     # a later turn of a waiting episode is not new traffic: it goes on
     follow = http.post(
         "/v1/chat/completions",

@@ -71,6 +71,9 @@ def test_no_step_trains_beyond_the_bound(redis_url, model_cache, tmp_path) -> No
                     "groups_per_step": 2,
                     "micro_batch_size": 2,
                     "max_staleness": MAX_STALENESS,
+                    # Admission off (a capacity no traffic here reaches): this test is about
+                    # the staleness rule, so traffic must be free to outrun the trainer.
+                    "max_pending_episodes": 100_000,
                     "learning_rate": 1e-4,
                 },
             },

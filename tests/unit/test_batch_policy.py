@@ -80,6 +80,7 @@ def test_batch_config_takes_its_fields_from_run_config() -> None:
         "episode_timeout_s": 3600.0,
         "group_timeout_s": 600.0,
         "incomplete_groups": "drop",
+        "zero_variance_groups": "skip",
     }
 
 
@@ -263,3 +264,33 @@ def test_a_group_larger_than_group_size_trains_whole() -> None:
     decision = select_batch(snapshot, VERSION, NOW, CFG)
     assert decision.episode_ids == ["x0", "x1", "x2"]
     assert decision.counters == {}
+
+
+def test_a_zero_variance_group_trains_when_zero_variance_groups_is_train() -> None:
+    cfg = replace(CFG, groups_per_step=2, zero_variance_groups="train")
+    snapshot = [
+        ep("a", "g", reward=0.0, age=30),  # all-zero: nothing to learn, but it takes its place
+        ep("b", "g", reward=0.0, age=20),
+        ep("c", "h", reward=0.0, age=20),
+        ep("d", "h", reward=1.0, age=10),
+    ]
+    decision = select_batch(snapshot, VERSION, NOW, cfg)
+    assert verdicts(decision) == [
+        ("g", ("a", "b"), Verdict.CHOSEN),
+        ("h", ("c", "d"), Verdict.CHOSEN),
+    ]
+    assert decision.episode_ids == ["a", "b", "c", "d"]
+    assert decision.dropped == [] and decision.counters == {}
+    # the same batch under the default skips g, and h alone is short of groups_per_step
+    skipped = select_batch(snapshot, VERSION, NOW, replace(cfg, zero_variance_groups="skip"))
+    assert [(g.group_id, g.verdict) for g in skipped.groups] == [
+        ("g", Verdict.ZERO_VARIANCE),
+        ("h", Verdict.READY),
+    ]
+
+
+def test_zero_variance_groups_train_still_drops_a_stale_group() -> None:
+    cfg = replace(CFG, zero_variance_groups="train")
+    snapshot = [ep("a", "g", reward=0.0, version=3), ep("b", "g", reward=0.0)]
+    decision = select_batch(snapshot, VERSION, NOW, cfg)
+    assert verdicts(decision) == [("g", ("a", "b"), Verdict.STALE)]

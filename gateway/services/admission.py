@@ -1,0 +1,280 @@
+"""Staleness-aware admission: new conversations wait while the trainer cannot absorb them.
+
+The rule. A run's *unconsumed* episodes are those a step may still take:
+open, rewarded and queued ones, plus those this process admitted whose first
+completion is not stored yet. They are counted in *group units*: a group
+counts `ceil(members / group_size)`, and ungrouped episodes (which the batch
+policy pools in chunks of `group_size`) `ceil(episodes / group_size)` in all.
+A new episode (a new conversation; a later turn of a stored episode always
+goes on) is admitted while the units, itself included, stay within
+
+    group capacity = (max_staleness + 1) x groups_per_step
+
+that is `(max_staleness + 1) x group_size x groups_per_step` episodes. An
+episode that joins a group short of `group_size` adds no unit, so it is
+admitted even when the run is full: holding it would leave every place to
+groups waiting for their last members, and no step could ever free one.
+`max_pending_episodes` overrides all this with a plain episode count (named
+groups short of members still complete).
+
+Why this capacity. A step takes `groups_per_step` groups, oldest first
+(`batch_policy`). A group admitted at version v has fewer than the capacity's
+units ahead of it, the step in flight (queued episodes) included, so the
+`max_staleness + 1`-th step counted from the one in flight takes it at the
+latest; that step claims at version `v + max_staleness` and still accepts
+samples of v. Nothing admitted can age past `max_staleness` before a step
+takes it, so stale drops stay near zero at the default `max_staleness` of 1.
+Counting in groups, not episodes, matters: agents that start many groups at
+once and fill them one member at a time would otherwise open twice as many
+groups as the trainer absorbs in time.
+
+A sample records the version its backend served, which trails the store's
+newest between a step's commit and the hot swap (`WeightSync`). Each version
+the backend is behind uses up one step of the budget: the capacity in force
+is `(max_staleness + 1 - lag) x groups_per_step` units, so right after a step
+commits, new conversations wait for the swap rather than sample on weights
+that are already a version old.
+
+This is AReaL's rollout capacity, `(max_head_offpolicyness + version + 1) x
+batch - samples` (areal/core/staleness_manager.py), counted from the store
+instead of a process counter, so it holds across gateway processes.
+Zero-variance, stale and incomplete groups are consumed by the scheduler's
+pass like trained ones, and open episodes expire after `episode_timeout_s`,
+so capacity always frees.
+
+The hold. A request over capacity waits server-side (before a stream starts)
+in a per-run FIFO. One poller per run with waiters re-counts the store every
+`poll_s` (never one query per waiter) and admits waiters while they fit. A
+waiter not admitted within the run's `admission_wait_s` gets 429 with
+`Retry-After: 60`, which the openai SDK honours (it retries twice by
+default); a run paused or stopped meanwhile answers its usual 429 at once.
+Reservations (admitted, not stored) end when the episode shows up in the
+store, or after `reservation_ttl_s` for a request that failed before storing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.errors import RateLimited
+from gateway.services.episodes import Placement
+from gateway.store.episodes import stored_episode_ids, unconsumed_by_group
+from gateway.store.models import Run
+from gateway.store.status import UNGROUPED
+from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 60  # the most the openai SDK's default retries honour
+
+
+def group_capacity(cfg: RunConfig, lag: int = 0) -> int | None:
+    """Group units a run admits while its backend serves `lag` versions behind the store's
+    newest; None under a `max_pending_episodes` override."""
+    if cfg.max_pending_episodes is not None:
+        return None
+    return max(0, cfg.max_staleness + 1 - lag) * cfg.groups_per_step
+
+
+def capacity(cfg: RunConfig, lag: int = 0) -> int:
+    """The same in episodes: `(max_staleness + 1 - lag) x group_size x groups_per_step`."""
+    groups = group_capacity(cfg, lag)
+    return cfg.max_pending_episodes if groups is None else groups * cfg.group_size
+
+
+def units(load: Counter[str], group_size: int) -> int:
+    """Group units of unconsumed episodes counted per group id (see the module docstring)."""
+    return sum(-(-n // group_size) for n in load.values())
+
+
+def fits(load: Counter[str], group: str, n: int, cfg: RunConfig, lag: int = 0) -> bool:
+    """Whether `n` new episodes of `group` (UNGROUPED: none named) may start now."""
+    before = units(load, cfg.group_size)
+    if before == 0:
+        return True  # an empty run takes any call, whatever its n
+    after = units(load + Counter({group: n}), cfg.group_size)
+    joins = after == before and load[group] > 0  # fills a group short of members
+    if cfg.max_pending_episodes is not None:
+        return (joins and group != UNGROUPED) or (load.total() + n <= cfg.max_pending_episodes)
+    return joins or after <= group_capacity(cfg, lag)
+
+
+def run_unavailable(run_id: str, status: str) -> RateLimited:
+    """A paused, stopped or failed run's answer to agent calls."""
+    return RateLimited(f"run {run_id} is {status}; retry later", retry_after_s=5)
+
+
+def episode_ids(placement: Placement, n: int) -> list[str]:
+    """The episodes a call opens: its own, or one per choice for n > 1 (see `ChatService`)."""
+    if n == 1:
+        return [placement.episode_id]
+    return [f"{placement.episode_id[:95]}.n{i}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Usage:
+    capacity: int  # episodes
+    in_use: int  # unconsumed episodes, reservations included
+    group_capacity: int | None  # group units (None: max_pending_episodes overrides)
+    groups_in_use: int
+    held: int  # new conversations this process holds for the run right now
+
+
+@dataclass
+class _Waiter:
+    ids: list[str]
+    group: str
+    admitted: asyncio.Future[None]
+
+
+@dataclass
+class _Gate:
+    """One run's admission state in this process."""
+
+    reserved: dict[str, tuple[float, str]] = field(default_factory=dict)  # id -> (until, group)
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    poller: asyncio.Task | None = None
+
+
+class Admission:
+    """Admits, holds or turns away new conversations, per run (see the module docstring)."""
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        serving_version: Callable[[str], int | None] = lambda run_id: None,
+        poll_s: float = 0.5,
+        reservation_ttl_s: float = 300.0,
+    ) -> None:
+        self.sessions = sessions
+        self.serving_version = serving_version  # run id -> the version its backend serves
+        self.poll_s = poll_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self._gates: dict[str, _Gate] = {}
+
+    async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
+        """Return once the call may sample; raise RateLimited past `admission_wait_s`."""
+        if placement.parent is not None:
+            return  # a later turn of a stored episode
+        gate = self._gates.setdefault(run.id, _Gate())
+        ids = episode_ids(placement, n)
+        if any(i in gate.reserved for i in ids):
+            return  # a concurrent turn of an episode admitted here, not stored yet
+        group = placement.group_id or UNGROUPED
+        async with self.sessions() as s:
+            if placement.link != "new" and await stored_episode_ids(s, run.id, ids):
+                return  # a named episode that exists: a later turn
+            if not gate.waiters:  # FIFO: nobody overtakes those already waiting
+                fresh = await s.get(Run, run.id)  # the caller's run may be a cached copy
+                lag = self._lag_of(fresh or run)
+                if fits(await self._load(s, run.id, gate), group, len(ids), cfg, lag):
+                    self._reserve(gate, ids, group)
+                    return
+        if cfg.admission_wait_s == 0:
+            raise _over_capacity(run, cfg)
+        waiter = _Waiter(ids, group, asyncio.get_running_loop().create_future())
+        gate.waiters.append(waiter)
+        if gate.poller is None or gate.poller.done():
+            gate.poller = asyncio.create_task(self._poll(run.id, gate), name=f"admit-{run.id}")
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.admitted), cfg.admission_wait_s)
+        except TimeoutError:
+            if waiter.admitted.done() and not waiter.admitted.cancelled():
+                waiter.admitted.result()  # admitted at the very deadline (or the run stopped)
+                return
+            waiter.admitted.cancel()  # the poller skips it from now on
+            raise _over_capacity(run, cfg) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                gate.waiters.remove(waiter)
+
+    async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> Usage:
+        """The run's capacity in force and what fills it, as this process sees it."""
+        gate = self._gates.get(run.id) or _Gate()
+        load = await self._load(s, run.id, gate)
+        lag = self._lag_of(run)
+        return Usage(
+            capacity=capacity(cfg, lag),
+            in_use=load.total(),
+            group_capacity=group_capacity(cfg, lag),
+            groups_in_use=units(load, cfg.group_size),
+            held=len(gate.waiters),
+        )
+
+    async def _poll(self, run_id: str, gate: _Gate) -> None:
+        """Re-count the store every `poll_s` and admit waiters in order while they fit."""
+        while gate.waiters:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self._admit_waiters(run_id, gate)
+            except Exception:  # the database away: keep holding, the deadline still applies
+                logger.exception("admission poll for run %s failed; retrying", run_id)
+
+    async def _admit_waiters(self, run_id: str, gate: _Gate) -> None:
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None or run.status != "active":
+                error = run_unavailable(run_id, run.status if run else "deleted")
+                for w in gate.waiters:
+                    if not w.admitted.done():
+                        w.admitted.set_exception(error)
+                gate.waiters.clear()
+                return
+            cfg = RunConfig.model_validate(run.config)
+            lag = self._lag_of(run)
+            load = await self._load(s, run_id, gate)
+        blocked = False  # once one waiter does not fit, only those joining a group pass it
+        for w in list(gate.waiters):
+            if w.admitted.done():
+                continue
+            if not fits(load, w.group, len(w.ids), cfg, lag) or (
+                blocked
+                and units(load + Counter({w.group: len(w.ids)}), cfg.group_size)
+                > units(load, cfg.group_size)
+            ):
+                blocked = True
+                continue
+            self._reserve(gate, w.ids, w.group)
+            load[w.group] += len(w.ids)
+            w.admitted.set_result(None)
+            gate.waiters.remove(w)
+
+    def _lag_of(self, run: Run) -> int:
+        """Versions the run's backend in this process serves behind the store's newest."""
+        serving = self.serving_version(run.id)
+        return 0 if serving is None else max(0, run.current_version - serving)
+
+    def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
+        until = time.monotonic() + self.reservation_ttl_s
+        for i in ids:
+            gate.reserved[i] = (until, group)
+
+    async def _load(self, s: AsyncSession, run_id: str, gate: _Gate) -> Counter[str]:
+        """Unconsumed episodes per group: the store's, plus reservations not stored yet."""
+        now = time.monotonic()
+        for i in [i for i, (until, _) in gate.reserved.items() if until < now]:
+            del gate.reserved[i]
+        if gate.reserved:
+            for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
+                gate.reserved.pop(i, None)
+        load = Counter(await unconsumed_by_group(s, run_id))
+        load.update(group for _, group in gate.reserved.values())
+        return load
+
+
+def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:
+    return RateLimited(
+        f"run {run.id} is at its admission capacity of {capacity(cfg)} unconsumed episodes "
+        f"(the trainer is behind); held {cfg.admission_wait_s:g} s, retry after "
+        f"{RETRY_AFTER_S} s",
+        retry_after_s=RETRY_AFTER_S,
+        code="admission_capacity",
+    )

@@ -1,0 +1,263 @@
+"""Staleness-aware admission on a real SQLite store: capacity, hold, deadline, later turns.
+
+Each test seeds a run and its episodes with plain rows, then calls
+`Admission.admit` as `ChatService.prepare` does, with a short poll interval.
+Deadlines are the run's `admission_wait_s`; no test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.errors import RateLimited, error_response
+from gateway.services.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    capacity,
+    fits,
+    group_capacity,
+    units,
+)
+from gateway.services.episodes import Placement
+from gateway.store.db import make_async_engine
+from gateway.store.migrate import upgrade
+from gateway.store.models import Completion, Episode, Run
+from gateway.store.status import UNGROUPED, EpisodeStatus
+from trainer.config import RunConfig
+
+RUN = "run_a"
+
+
+@pytest.fixture
+async def sessions(tmp_path: Path) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    url = f"sqlite:///{tmp_path / 'admission.db'}"
+    await asyncio.to_thread(upgrade, url)
+    engine = make_async_engine(url)
+    yield async_sessionmaker(engine, expire_on_commit=False)
+    await engine.dispose()
+
+
+async def seed(
+    sessions, config: dict, episodes: dict[str, tuple[str, EpisodeStatus]], version: int = 0
+) -> Run:
+    """The run at `version` and its episodes: id -> (group, status)."""
+    async with sessions.begin() as s:
+        run = Run(
+            id=RUN,
+            name="a",
+            model="tiny",
+            model_path="/x",
+            config=config,
+            counters={},
+            current_version=version,
+        )
+        s.add(run)
+        await s.flush()
+        for eid, (group, status) in episodes.items():
+            s.add(Episode(run_id=RUN, id=eid, group_id=group, status=status))
+    return run
+
+
+async def set_status(sessions, ids: list[str], **values) -> None:
+    async with sessions.begin() as s:
+        await s.execute(
+            update(Episode).where(Episode.run_id == RUN, Episode.id.in_(ids)).values(**values)
+        )
+
+
+async def store_episode(sessions, eid: str, group: str = "~ungrouped") -> None:
+    async with sessions.begin() as s:
+        s.add(Episode(run_id=RUN, id=eid, group_id=group, status=EpisodeStatus.OPEN))
+
+
+def new(eid: str, group: str | None = None, link: str = "path") -> Placement:
+    return Placement(eid, group, link, None)
+
+
+async def until_held(admission: Admission, sessions, cfg: RunConfig, held: int) -> None:
+    while True:
+        async with sessions() as s:
+            if (await admission.usage(s, await s.get(Run, RUN), cfg)).held == held:
+                return
+        await asyncio.sleep(0.01)
+
+
+def test_capacity_is_max_staleness_plus_one_steps_unless_overridden() -> None:
+    assert capacity(RunConfig()) == (1 + 1) * 4 * 8  # defaults: staleness 1, group 4, 8 groups
+    cfg = RunConfig(max_staleness=2, group_size=2, groups_per_step=3, micro_batch_size=2)
+    assert capacity(cfg) == 3 * 2 * 3
+    assert capacity(RunConfig(max_staleness=0, group_size=2, groups_per_step=1,
+                              micro_batch_size=2)) == 2  # fmt: skip
+    assert capacity(cfg.model_copy(update={"max_pending_episodes": 5})) == 5
+
+
+async def test_only_unconsumed_episodes_and_reservations_fill_capacity(sessions) -> None:
+    cfg = RunConfig(max_pending_episodes=4, admission_wait_s=0)
+    run = await seed(
+        sessions,
+        cfg.model_dump(),
+        {
+            "o": ("g1", EpisodeStatus.OPEN),
+            "r": ("g1", EpisodeStatus.REWARDED),
+            "q": ("g2", EpisodeStatus.QUEUED),
+            "t": ("g3", EpisodeStatus.TRAINED),  # consumed: trained,
+            "d": ("g3", EpisodeStatus.DROPPED),  # dropped (zero variance, stale, incomplete)
+            "x": ("g4", EpisodeStatus.EXPIRED),  # and expired episodes free their place
+        },
+    )
+    admission = Admission(sessions, poll_s=0.02)
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).in_use == 3
+    await admission.admit(run, cfg, new("n1", link="new"))  # 3 + 1 <= 4: admitted
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).in_use == 4  # its reservation counts
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("n2", link="new"))  # full: held 0 s, then 429
+    await store_episode(sessions, "n1")  # its first completion stored: counted once, not twice
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).in_use == 4
+
+
+async def test_over_capacity_is_held_then_admitted_when_a_step_consumes(sessions) -> None:
+    cfg = RunConfig(max_pending_episodes=2, admission_wait_s=300)
+    run = await seed(
+        sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.QUEUED), "b": ("g", "queued")}
+    )
+    admission = Admission(sessions, poll_s=0.02)
+    held = asyncio.create_task(admission.admit(run, cfg, new("c", "h")))
+    await until_held(admission, sessions, cfg, 1)
+    assert not held.done()
+    await set_status(sessions, ["a", "b"], status=EpisodeStatus.TRAINED)  # the step committed
+    await held  # admitted, no error
+    async with sessions() as s:
+        usage = await admission.usage(s, run, cfg)
+    assert (usage.held, usage.in_use) == (0, 1)
+
+
+async def test_past_the_deadline_the_answer_is_429_with_a_retry_after_the_sdk_honours(
+    sessions,
+) -> None:
+    cfg = RunConfig(max_pending_episodes=1, admission_wait_s=0.2)
+    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
+    admission = Admission(sessions, poll_s=0.02)
+    with pytest.raises(RateLimited) as exc:
+        await admission.admit(run, cfg, new("b", "h"))
+    assert exc.value.retry_after_s == RETRY_AFTER_S <= 60  # the openai SDK honours <= 60 s
+    response = error_response(exc.value)
+    assert response.status_code == 429 and response.headers["Retry-After"] == "60"
+    assert exc.value.code == "admission_capacity"
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).held == 0  # it left the queue
+
+
+async def test_later_turns_are_never_held(sessions) -> None:
+    cfg = RunConfig(max_pending_episodes=1, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
+    admission = Admission(sessions, poll_s=0.02)
+    # a turn that continues a stored completion
+    await admission.admit(run, cfg, Placement("a", None, "prefix", Completion(id="c1")))
+    # a named episode that exists, even without a matching parent (e.g. an edited history)
+    await admission.admit(run, cfg, new("a", "g", link="header"))
+    # while a new conversation is turned away
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("b", "h"))
+
+
+async def test_a_group_short_of_its_members_is_completed_over_capacity(sessions) -> None:
+    # More groups than the capacity wait for their second member (as after a backend lag):
+    # holding those members would stall the run until group_timeout_s. They pass; a new
+    # group's episode waits.
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
+    assert capacity(cfg) == 4
+    run = await seed(
+        sessions,
+        cfg.model_dump(),
+        {f"{g}1": (g, EpisodeStatus.REWARDED) for g in "wxyz"},
+    )
+    admission = Admission(sessions, poll_s=0.02)
+    await admission.admit(run, cfg, new("w2", "w"))
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("w3", "w"))  # w is complete now (1 + 1 reserved)
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("v1", "v"))  # a new group
+
+
+async def test_waiters_are_admitted_in_arrival_order_as_capacity_frees(sessions) -> None:
+    cfg = RunConfig(max_pending_episodes=2, admission_wait_s=300)
+    run = await seed(
+        sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN), "b": ("g", "open")}
+    )
+    admission = Admission(sessions, poll_s=0.02)
+    first = asyncio.create_task(admission.admit(run, cfg, new("c", "h")))
+    await until_held(admission, sessions, cfg, 1)
+    second = asyncio.create_task(admission.admit(run, cfg, new("d", "k")))
+    await until_held(admission, sessions, cfg, 2)
+    await set_status(sessions, ["a"], status=EpisodeStatus.EXPIRED)  # one place frees
+    await first
+    await asyncio.sleep(0.1)  # several polls: the second still does not fit
+    assert not second.done()
+    await set_status(sessions, ["b"], status=EpisodeStatus.DROPPED)
+    await second
+
+
+async def test_a_held_call_of_a_run_that_is_paused_gets_the_runs_429(sessions) -> None:
+    cfg = RunConfig(max_pending_episodes=1, admission_wait_s=300)
+    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
+    admission = Admission(sessions, poll_s=0.02)
+    held = asyncio.create_task(admission.admit(run, cfg, new("b", "h")))
+    await until_held(admission, sessions, cfg, 1)
+    async with sessions.begin() as s:
+        await s.execute(update(Run).where(Run.id == RUN).values(status="paused"))
+    with pytest.raises(RateLimited) as exc:
+        await held
+    assert "paused" in exc.value.message and exc.value.retry_after_s == 5
+
+
+async def test_a_backend_behind_the_store_shrinks_capacity_by_a_step_per_version(sessions) -> None:
+    # Right after a step commits version 3, the backend still serves 2 until the hot swap:
+    # what it samples now is already a version old, so one step of the budget is used up.
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
+    assert capacity(cfg) == 4 and capacity(cfg, lag=1) == 2 and capacity(cfg, lag=2) == 0
+    run = await seed(
+        sessions,
+        cfg.model_dump(),
+        {"a": ("g", EpisodeStatus.REWARDED), "b": ("g", EpisodeStatus.REWARDED)},
+        version=3,
+    )
+    serving = {RUN: 2}
+    admission = Admission(sessions, serving.get, poll_s=0.02)
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("c", "h"))  # 2 in use, capacity 2 while behind
+    serving[RUN] = 3  # swapped in
+    await admission.admit(run, cfg, new("c", "h"))
+
+
+async def test_capacity_counts_groups_so_sequentially_filled_groups_do_not_overshoot(
+    sessions,
+) -> None:
+    # Agents that start several groups at once and fill them one member at a time: only as
+    # many groups open as two steps take; their second members always get in.
+    cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, admission_wait_s=0)
+    assert group_capacity(cfg) == 2 and capacity(cfg) == 4
+    run = await seed(sessions, cfg.model_dump(), {})
+    admission = Admission(sessions, poll_s=0.02)
+    await admission.admit(run, cfg, new("a1", "a"))
+    await admission.admit(run, cfg, new("b1", "b"))
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("c1", "c"))  # a third group: over two units
+    await admission.admit(run, cfg, new("a2", "a"))
+    await admission.admit(run, cfg, new("b2", "b"))
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("a3", "a"))  # a third member opens a unit
+    # ungrouped episodes count as pool chunks of group_size
+    assert fits(Counter({"a": 2}), UNGROUPED, 2, cfg)
+    assert not fits(Counter({"a": 2, UNGROUPED: 2}), UNGROUPED, 1, cfg)
+    assert fits(Counter({"a": 2, UNGROUPED: 1}), UNGROUPED, 1, cfg)  # fills its chunk
+    assert units(Counter({"a": 3, UNGROUPED: 3}), 2) == 4
