@@ -1,4 +1,4 @@
-"""`rlgate up` leaves nothing behind: its Celery worker stops on SIGTERM, SIGINT and SIGKILL of it."""
+"""`rlgate up` leaves nothing behind: its worker stops on SIGTERM, SIGINT and SIGKILL of it."""
 
 from __future__ import annotations
 
