@@ -41,9 +41,9 @@ def thread_budget(cores: int, backend: int = 0, trainer: int = 0) -> ThreadBudge
 
     Derived: the backend gets half the cores (rounded down, at least 1) and the
     trainer the rest, so the two together never exceed `cores` (one core: 1 + 1,
-    the least either can run on). On 2 cores that is 1 + 1: measured in
-    docs/configuration.md, a train step on 1 thread while sampling runs beside it
-    is faster than two processes of 2 threads fighting over 2 cores.
+    the least either can run on). On 2 cores that is 1 + 1; the figures behind it
+    (decoding on 2 threads is slower than on 1 even alone) are in
+    docs/configuration.md.
     """
     cores = max(1, cores)
     if backend <= 0:
