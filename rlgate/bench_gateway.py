@@ -231,7 +231,15 @@ def bench_gateway(
         run = httpx.post(
             urls["rlgate"] + "/admin/v1/runs",
             headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-            json={"name": "bench", "model": "tiny", "backend": "vllm", "replicas": [urls["stub"]]},
+            json={
+                "name": "bench",
+                "model": "tiny",
+                "backend": "vllm",
+                "replicas": [urls["stub"]],
+                # thousands of conversations that nothing trains: the gateway path is measured,
+                # not staleness-aware admission, whose cap (64 open episodes) would hold them
+                "config": {"max_pending_episodes": 10**6},
+            },
             timeout=120,
         ).json()
         targets = {

@@ -26,6 +26,9 @@ PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 ADMIN_KEY = "faults-admin"
 
 
+NO_ADMISSION_CAP = 10**6
+
+
 def knob(name: str, default: float) -> float:
     """A load setting: RLGATE_FAULT_<NAME> overrides the short CI default."""
     return float(os.environ.get(f"RLGATE_FAULT_{name.upper()}", default))
@@ -89,10 +92,13 @@ class Gateway:
         )
 
     def create_run(self, name: str, config: dict[str, Any] | None = None, **extra: Any) -> dict:
+        # The fault suites drive hundreds of conversations that nothing trains: staleness-aware
+        # admission would hold them once 64 are open, so these runs lift its cap.
+        config = {"max_pending_episodes": NO_ADMISSION_CAP, **(config or {})}
         with self.admin() as admin:
             resp = admin.post(
                 "/admin/v1/runs",
-                json={"name": name, "model": "tiny", "config": config or {}, **extra},
+                json={"name": name, "model": "tiny", "config": config, **extra},
             )
         assert resp.status_code == 201, resp.text
         return resp.json()

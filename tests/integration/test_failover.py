@@ -170,7 +170,14 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> No
 def create_run(server: GatewayServer, urls: list[str]) -> dict:
     resp = httpx.post(
         server.url + "/admin/v1/runs",
-        json={"name": "replicated", "model": "tiny", "backend": "vllm", "replicas": urls},
+        json={
+            "name": "replicated",
+            "model": "tiny",
+            "backend": "vllm",
+            "replicas": urls,
+            # load without training: lift staleness-aware admission's cap (64 open episodes)
+            "config": {"max_pending_episodes": 10**6},
+        },
         headers=server.admin_headers(),
         timeout=60,
     )
