@@ -146,4 +146,5 @@ def test_pending_capacity_turns_new_conversations_away(gateway_server) -> None:
         },
     )
     assert follow.status_code == 200
-    assert follow.json()["episode_id"] == first[0].json()["episode_id"]
+    # both first calls may have sampled the same two tokens: the turn links to either episode
+    assert follow.json()["episode_id"] in {r.json()["episode_id"] for r in first}

@@ -219,6 +219,9 @@ def test_vllm_token_exact_and_hot_swap_under_traffic(
                     "groups_per_step": 2,
                     "micro_batch_size": 2,
                     "learning_rate": 1e-2,  # one step must visibly move the tiny model
+                    # the traffic around the swap is never rewarded, so it would fill
+                    # staleness-aware admission's capacity (8 episodes here) and be held
+                    "max_pending_episodes": 10**6,
                 },
             },
         )
