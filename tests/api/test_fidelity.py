@@ -123,7 +123,9 @@ def test_pending_capacity_turns_new_conversations_away(gateway_server) -> None:
         name="capacity", config={"max_pending_episodes": 2, "admission_wait_s": 0}
     )
     http = httpx.Client(
-        base_url=gateway_server.url, headers={"Authorization": f"Bearer {run['api_key']}"}
+        base_url=gateway_server.url,
+        headers={"Authorization": f"Bearer {run['api_key']}"},
+        timeout=60,  # the run's first call loads its model
     )
     body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
     first = [http.post("/v1/chat/completions", json=body) for _ in range(2)]
