@@ -82,13 +82,28 @@ def test_many_sdk_agents_are_held_not_dropped(stack: Stack) -> None:
     run = _create(stack, "crowd")  # default admission: (1 + 1) x 2 x 2 = 8 episodes
     errors: list[str] = []
     stop = threading.Event()
+    # Rewards wait until a call has been held: a tiny model trains in milliseconds, so without
+    # this the traffic might never outrun the trainer on a slow machine and prove nothing.
+    release = threading.Event()
 
     def agent() -> None:
         while not stop.is_set():
             group = "g-" + uuid.uuid4().hex[:8]
             try:
+                sampled = []
                 for e in range(2):
-                    _episode(stack, run, group, f"{group}-{e}", float(e))
+                    client = _client(stack, run, f"/groups/{group}/episodes/{group}-{e}")
+                    resp = client.chat.completions.create(
+                        model=run["name"],
+                        messages=[{"role": "user", "content": "go"}],
+                        max_tokens=4,
+                    )
+                    sampled.append((client, resp.id, float(e)))
+                release.wait(CAP_S)
+                for client, cid, reward in sampled:
+                    client.post(
+                        "/rewards", body={"completion_id": cid, "reward": reward}, cast_to=object
+                    )
             except openai.OpenAIError as exc:
                 errors.append(repr(exc))
                 return
@@ -104,9 +119,12 @@ def test_many_sdk_agents_are_held_not_dropped(stack: Stack) -> None:
             version = status["version"]
             held_seen = max(held_seen, status["admission"]["held"])
             full_seen = max(full_seen, status["admission"]["groups_in_use"])
+            if held_seen:
+                release.set()
             time.sleep(0.2)
     finally:
         stop.set()
+        release.set()
         for t in agents:
             t.join()
     counters = _counters(stack, run)
