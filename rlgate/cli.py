@@ -38,7 +38,11 @@ def _up(args: argparse.Namespace) -> int:
 
     update = {"data_dir": Path(args.data_dir)} if args.data_dir else {}
     settings = Settings().model_copy(update=update)
-    settings.resolved_admin_key()  # fail early (or warn) about the admin credential
+    try:  # fail early (or warn) about the admin credential, before the worker starts
+        settings.resolved_admin_key(args.host)
+    except ValueError as exc:
+        print(f"rlgate up: {exc}", file=sys.stderr)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     worker = None if args.no_worker else start_worker(settings, settings.data_dir / "worker.log")
     # uvicorn restores the SIGTERM handler it found and re-raises the signal once it has

@@ -13,7 +13,12 @@ from rlgate.settings import Settings
 
 
 def serve(settings: Settings, host: str, port: int) -> None:
-    """Blocks until uvicorn stops (SIGTERM or SIGINT: in-flight requests finish first)."""
+    """Blocks until uvicorn stops (SIGTERM or SIGINT: in-flight requests finish first).
+
+    Raises ValueError, before anything listens, when the admin credential does not fit
+    the bind (the development key off loopback).
+    """
+    settings.resolved_admin_key(host)
     die_with_parent()  # when started by the demo, a bench or a test: stop with it
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
 
@@ -24,7 +29,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(Settings(), args.host, args.port)
+    try:
+        serve(Settings(), args.host, args.port)
+    except ValueError as exc:
+        raise SystemExit(f"rlgate gateway: {exc}") from None
 
 
 if __name__ == "__main__":

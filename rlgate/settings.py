@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +26,21 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity API (macOS): every core
         return os.cpu_count() or 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only accepts connections from this machine.
+
+    `localhost` and literal loopback addresses (127.0.0.0/8, ::1) are; wildcards
+    (0.0.0.0, ::), any other address and any other host name are not.
+    """
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -148,11 +164,22 @@ class Settings(BaseSettings):
         """`backend_threads` and `trainer_threads`, each 0 derived from this process's cores."""
         return thread_budget(available_cores(), self.backend_threads, self.trainer_threads)
 
-    def resolved_admin_key(self) -> str:
+    def resolved_admin_key(self, host: str = "127.0.0.1") -> str:
+        """The admin credential for a gateway bound to `host`.
+
+        The development key is published, so it is only ever used on a loopback bind:
+        anywhere else an empty `RLGATE_ADMIN_KEY` is an error, dev mode or not.
+        """
         if self.admin_key:
             return self.admin_key
         if not self.dev_mode:
             raise ValueError("RLGATE_ADMIN_KEY is empty: set it, or set RLGATE_DEV_MODE=1")
+        if not is_loopback(host):
+            raise ValueError(
+                f"RLGATE_ADMIN_KEY is empty and the gateway would listen on {host!r}, which is "
+                f"not a loopback address: the development key {DEV_ADMIN_KEY!r} is public, so "
+                "it is refused off loopback. Set RLGATE_ADMIN_KEY, or bind to 127.0.0.1."
+            )
         logger.warning("no RLGATE_ADMIN_KEY set: using the development key %r", DEV_ADMIN_KEY)
         return DEV_ADMIN_KEY
 
