@@ -27,15 +27,19 @@ class RewardService:
 
         A repeated key with the same body answers the original acknowledgement
         (`duplicate: true`); with a different body, 409. A concurrent post of the
-        same key loses the insert race and is answered as a duplicate.
+        same key loses the insert race and is answered as a duplicate. The run's
+        reward bounds apply to what is new: a replay answers its acknowledgement
+        even if the bounds have narrowed since, because that reward is stored.
         """
-        self._check_bounds(run, bodies)
         first_of = self._dedupe(bodies)
         for attempt in range(3):
             acks: list[RewardAck | None] = [None] * len(bodies)
             for i, body in enumerate(bodies):
                 if body.idempotency_key is not None and first_of[i] == i:
                     acks[i] = await self._replay(run, body)
+            self._check_bounds(
+                run, [b for i, b in enumerate(bodies) if first_of[i] == i and acks[i] is None]
+            )
             try:
                 async with self.sessions.begin() as s:
                     for i, body in enumerate(bodies):
