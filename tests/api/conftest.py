@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import psycopg
 import pytest
 
 from rlgate.stack import stop
@@ -37,11 +38,10 @@ class PgGateway:
 def pg(
     gateway_launcher: Callable[..., GatewayServer], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PgGateway]:
-    psycopg = pytest.importorskip("psycopg")
     try:
         admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+        pytest.fail(f"PostgreSQL must run at {PG_URL} for this test: {exc}")
     schema = "rlgate_api_" + uuid.uuid4().hex[:10]
     admin.execute(f'CREATE SCHEMA "{schema}"')
     admin.execute(f'SET search_path TO "{schema}"')

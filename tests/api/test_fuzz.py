@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-
-pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis")
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 

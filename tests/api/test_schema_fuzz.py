@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from schemathesis.core import NotSet  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.core import NotSet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,10 +1,8 @@
-"""Trainer metrics sinks: JSON lines always; TensorBoard events read back when installed."""
+"""Trainer metrics sinks: JSON lines always, and TensorBoard events read back."""
 
 from __future__ import annotations
 
 import json
-
-import pytest
 
 from trainer.metrics_sinks import MetricsSinkConfig, MetricsSinks, make_sinks
 
@@ -39,7 +37,6 @@ def test_no_dir_no_sinks_and_failures_do_not_raise(tmp_path, caplog) -> None:
 
 
 def test_tensorboard_events_read_back(tmp_path) -> None:
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sinks = make_sinks(MetricsSinkConfig(dir=tmp_path, tensorboard=True))

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -124,11 +125,10 @@ def test_alembic_config_accepts_percent_encoded_passwords() -> None:
 @pytest.fixture
 def pg_schema(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A fresh schema made the search_path of every libpq connection (via PGOPTIONS)."""
-    psycopg = pytest.importorskip("psycopg")
     try:
         admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+        pytest.fail(f"PostgreSQL must run at {PG_URL} for this test: {exc}")
     schema = "rlgate_migr_" + uuid.uuid4().hex[:10]
     admin.execute(f'CREATE SCHEMA "{schema}"')
     monkeypatch.setenv("PGOPTIONS", f"-c search_path={schema}")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session
@@ -130,11 +131,10 @@ def test_a_busy_step_is_seen_without_taking_the_lock(tmp_path: Path, monkeypatch
 @pytest.fixture
 def pg_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """PG_URL on a fresh schema (made the search_path of every libpq connection)."""
-    psycopg = pytest.importorskip("psycopg")
     try:
         admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+        pytest.fail(f"PostgreSQL must run at {PG_URL} for this test: {exc}")
     schema = "rlgate_claim_" + uuid.uuid4().hex[:10]
     admin.execute(f'CREATE SCHEMA "{schema}"')
     monkeypatch.setenv("PGOPTIONS", f"-c search_path={schema}")
@@ -147,8 +147,6 @@ def pg_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 @pytest.mark.integration
 def test_postgres_claim_locks_the_run_row(pg_url: str, monkeypatch, tmp_path: Path) -> None:
-    import psycopg
-
     _seed(pg_url)
 
     def trainer_commit() -> str:
