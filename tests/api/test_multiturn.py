@@ -64,21 +64,16 @@ def test_explicit_episode_id_files_both_turns_together(
 def test_own_assistant_turn_is_spliced_back_as_sampled_ids(
     http: httpx.Client, run: dict, gateway_server: GatewayServer, template: ChatTemplate
 ) -> None:
-    for seed in range(1, 8):
-        headers = {"X-Episode-Id": f"mt-splice-{seed}"}
-        one = _post(http, run, FIRST, headers, temperature=1.0, seed=seed)
-        first = gateway_server.completion(one["id"])
-        p1, o1 = first["prompt_token_ids"], first["output_token_ids"]
-        core = o1[:-1] if o1[-1] in template.stop_token_ids else o1
-        history = [
-            *FIRST,
-            {"role": "assistant", "content": one["choices"][0]["message"]["content"]},
-        ]
-        follow = [*history, {"role": "user", "content": "and?"}]
-        if template.render(follow)[len(p1) : len(p1) + len(core)] != core:
-            break  # re-tokenizing this sample's text gives other ids: a real test
-    else:
-        pytest.skip("every sample re-tokenized to its own ids; nothing to tell apart")
+    headers = {"X-Episode-Id": "mt-splice"}
+    # A seeded sample of the tiny model (built from a fixed seed): the same ids on every run.
+    one = _post(http, run, FIRST, headers, temperature=1.0, seed=1)
+    first = gateway_server.completion(one["id"])
+    p1, o1 = first["prompt_token_ids"], first["output_token_ids"]
+    core = o1[:-1] if o1[-1] in template.stop_token_ids else o1
+    history = [*FIRST, {"role": "assistant", "content": one["choices"][0]["message"]["content"]}]
+    follow = [*history, {"role": "user", "content": "and?"}]
+    # Re-tokenizing this sample's text gives other ids, so only a splice passes the checks below.
+    assert template.render(follow)[len(p1) : len(p1) + len(core)] != core
     two = _post(http, run, follow, headers)
     p2 = gateway_server.completion(two["id"])["prompt_token_ids"]
     assert p2[: len(p1)] == p1

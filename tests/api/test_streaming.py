@@ -89,21 +89,14 @@ def test_disconnect_cancels_and_stores_the_partial_sample(gateway_server, run):
         timeout=60,
     )
     budget = 900
-    for word in ("river", "garden", "forest", "cloud", "stone"):
-        msgs = [{"role": "user", "content": word}]
-        probe = http.post(
-            "/v1/chat/completions",
-            json={
-                "model": run["name"],
-                "messages": msgs,
-                "max_tokens": budget,
-                "temperature": 0.0,
-            },
-        ).json()
-        if probe["choices"][0]["finish_reason"] == "length":
-            break  # greedy runs the whole budget: a disconnect will land mid-generation
-    else:
-        pytest.skip("every greedy probe stopped early; nothing to cancel")
+    # Greedy on the tiny model (built from a fixed seed): this prompt's answer runs the whole
+    # budget on every run, so the disconnect below always lands mid-generation.
+    msgs = [{"role": "user", "content": "river"}]
+    probe = http.post(
+        "/v1/chat/completions",
+        json={"model": run["name"], "messages": msgs, "max_tokens": budget, "temperature": 0.0},
+    ).json()
+    assert probe["choices"][0]["finish_reason"] == "length", "greedy 'river' now stops early"
     with http.stream(
         "POST",
         "/v1/chat/completions",
