@@ -6,6 +6,7 @@
     ├── PermissionDenied          403 permission_error
     ├── NotFound                  404 not_found_error
     ├── Conflict                  409 conflict_error
+    ├── Gone                      410 invalid_request_error (existed, removed for good)
     ├── Unprocessable             422 invalid_request_error
     ├── PayloadTooLarge           413 invalid_request_error
     ├── RateLimited               429 rate_limit_error (with Retry-After)
@@ -74,6 +75,12 @@ class NotFound(APIError):
 class Conflict(APIError):
     status = 409
     type = "conflict_error"
+
+
+class Gone(APIError):
+    """The resource existed and was removed for good (a pruned checkpoint): retrying won't help."""
+
+    status = 410
 
 
 class PayloadTooLarge(APIError):

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.errors import Conflict, Gone, InvalidRequest, NotFound
 from gateway.protocol_admin import (
     LIVE_CONFIG_KEYS,
     PolicyVersionPublic,
@@ -133,7 +133,7 @@ class RunAdmin:
         if path is None:
             raise NotFound(f"run {run_id!r} has no version {version}", param="version")
         if not Path(path).is_dir():
-            raise NotFound(
+            raise Gone(
                 f"the checkpoint of version {version} was pruned (keep_checkpoints)",
                 param="version",
                 code="checkpoint_pruned",
