@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from inference import registry
+from rlgate.lifeline import TetheredProcess
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class ServerConfig:
     enforce_eager: bool = True  # vLLM: skips graph capture, start-up ~30 s instead of 60-100 s
     served_model_name: str | None = None  # default: the model directory
     kv_cache_gb: int = 1  # vLLM CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    stop_timeout_s: float = 30  # SIGTERM, then SIGKILL this much later if rlgate died
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -140,19 +142,24 @@ def server_env(cfg: ServerConfig) -> dict[str, str]:
 
 
 def start_server(cfg: ServerConfig, log: Path | None = None) -> subprocess.Popen:
-    """Start the server in a session of its own, so `stop_server` also ends its workers."""
+    """Start the server in a session of its own, so `stop_server` also ends its workers.
+
+    The server runs another interpreter, so it cannot watch rlgate itself: it is tethered
+    from outside (`rlgate.lifeline.TetheredProcess`), and its whole process group gets
+    SIGTERM when this process dies, even by SIGKILL, and SIGKILL `stop_timeout_s` later.
+    """
     if not cfg.python.exists():
         raise FileNotFoundError(
             f"{cfg.python} does not exist: run `rlgate inference install-vllm` or pass --python"
         )
     out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it
     logger.info("starting %s", " ".join(server_command(cfg)))
-    return subprocess.Popen(
+    return TetheredProcess(
         server_command(cfg),
+        grace_s=cfg.stop_timeout_s,
         env=server_env(cfg),
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
-        start_new_session=True,
     )
 
 
@@ -176,16 +183,16 @@ def wait_ready(
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 30) -> None:
     """SIGTERM to the server's process group, then SIGKILL after `timeout_s`."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    # Reaps it; a TetheredProcess's watcher then stops any worker it left and exits.
+    proc.wait()
 
 
 @contextlib.contextmanager
