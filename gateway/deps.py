@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from gateway.dashboard.auth import LoginRequired, Session, current_session, require_session
 from gateway.errors import AuthenticationFailed, NotFound
+from gateway.identifiers import id_from_header
 from gateway.keys import admin_key_matches, hash_key
 from gateway.services.episodes import EpisodeRef
 from gateway.store.keys import run_for_key_hash
@@ -76,8 +77,8 @@ def episode_ref(request: Request) -> EpisodeRef:
     """Path first, then headers; the service falls back to `metadata`, then prefix matching."""
     p, h = request.path_params, request.headers
     return EpisodeRef(
-        episode_id=p.get("episode_id") or h.get("x-episode-id") or None,
-        group_id=p.get("group_id") or h.get("x-group-id") or None,
+        episode_id=p.get("episode_id") or id_from_header(h.get("x-episode-id"), "episode_id"),
+        group_id=p.get("group_id") or id_from_header(h.get("x-group-id"), "group_id"),
         source="path" if p.get("episode_id") else "header",
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError
+from gateway.identifiers import header_value
 
 logger = logging.getLogger(__name__)
 
@@ -43,5 +44,5 @@ def event_stream(lines: AsyncIterator[str], episode_id: str) -> StreamingRespons
     return StreamingResponse(
         lines,
         media_type="text/event-stream",
-        headers={"X-Rlgate-Episode-Id": episode_id, "Cache-Control": "no-cache"},
+        headers={"X-Rlgate-Episode-Id": header_value(episode_id), "Cache-Control": "no-cache"},
     )

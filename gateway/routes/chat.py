@@ -7,6 +7,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.errors import InvalidRequest
+from gateway.identifiers import header_value
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from gateway.services.streaming import ChatStream
 from gateway.sse import event_stream, sse
@@ -31,7 +32,7 @@ async def chat_completions(
         return event_stream(sse(ChatStream(chat, prep).chunks()), prep.placement.episode_id)
     resp = await chat.create(run, body, ref)
     if resp.episode_id is not None:
-        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
     if resp.group_id is not None:
-        response.headers["X-Rlgate-Group-Id"] = resp.group_id
+        response.headers["X-Rlgate-Group-Id"] = header_value(resp.group_id)
     return resp

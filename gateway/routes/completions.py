@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import EpisodeRefDep, RunDep, check_request
+from gateway.identifiers import header_value
 from gateway.protocol_legacy import CompletionRequest, TextCompletion
 from gateway.services.text_completions import TextCompletionService
 from gateway.sse import event_stream, sse
@@ -24,5 +25,5 @@ async def completions(
         return event_stream(sse(service.stream(prep).chunks()), prep.placement.episode_id)
     resp = await service.create(run, body, ref)
     if resp.episode_id is not None:
-        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
     return resp

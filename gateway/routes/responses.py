@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import EpisodeRefDep, RunDep, check_request
+from gateway.identifiers import header_value
 from gateway.protocol_responses import ResponsesRequest, ResponsesResponse
 from gateway.services.responses import ResponsesService
 from gateway.sse import event_stream, sse_events
@@ -36,7 +37,7 @@ async def create_response(
         return event_stream(sse_events(stream.events()), stream.episode_id)
     resp = await service.create(run, body, ref)
     if resp.episode_id is not None:
-        response.headers["X-Rlgate-Episode-Id"] = resp.episode_id
+        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
     return resp
 
 

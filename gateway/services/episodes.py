@@ -19,11 +19,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.errors import InvalidRequest
+from gateway.identifiers import checked_id
 from gateway.store.completions import find_by_conv_hash
 from gateway.store.models import Completion
-
-MAX_ID_LENGTH = 100
 
 
 @dataclass(frozen=True)
@@ -41,16 +39,6 @@ class Placement:
     group_id: str | None  # None: keep the episode's group (or the ungrouped pool)
     link: str  # path | header | metadata | prefix | new
     parent: Completion | None
-
-
-def checked_id(value: str, param: str) -> str:
-    if not 0 < len(value) <= MAX_ID_LENGTH:
-        raise InvalidRequest(f"{param} must be 1 to {MAX_ID_LENGTH} characters", param=param)
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
-        raise InvalidRequest(f"{param} may not contain control characters", param=param)
-    if value.startswith("~"):
-        raise InvalidRequest(f"{param} may not start with '~' (reserved)", param=param)
-    return value
 
 
 def conversation_hash(messages: list[dict[str, Any]]) -> str:
