@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,14 @@ class ChatTemplate:
         sampled_ids: list[int],
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
+        answers: Sequence[tuple[int, int]] = (),
     ) -> tuple[list[int], bool]:
         """Prompt ids for `messages` that reuse `sampled_ids` (an earlier turn's prompt + output).
 
+        `answers` are the [start, end) spans of `sampled_ids` that the model
+        sampled, one per assistant message of `messages` that rlgate produced
+        (whose content is `decode` of that span, as the agent received it);
+        ids outside them were encoded from template text and read back as it.
         If the template renders the history exactly as the model saw and
         sampled it, the result is `sampled_ids` followed by the ids of the
         newly rendered text, and the second value is True (spliced). If the
@@ -56,13 +62,42 @@ class ChatTemplate:
         `<think>` blocks), nothing is pretended: the whole prompt is rendered
         afresh and the second value is False (drift).
         """
-        seen = self.tokenizer.decode(
-            sampled_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        seen = self.stream_text(sampled_ids, answers)
         full = self.render_text(messages, tools)
         if full.startswith(seen):
             return list(sampled_ids) + self.encode(full[len(seen) :]), True
         return self.encode(full), False
+
+    def stream_text(self, ids: list[int], answers: Sequence[tuple[int, int]] = ()) -> str:
+        """The rendered text that `ids` stand for, each span in `answers` read as `answer_text`.
+
+        Sampled ids need not survive a trip through text: a byte token cut
+        from its character (an emoji cut by max_tokens), invalid UTF-8, a NUL
+        or a special token sampled mid-answer decode to text that re-encodes
+        to other ids, and decoded together with their neighbours they may not
+        even read as the content the agent received. So a sampled span is
+        never decoded with the template text around it; it stands for the
+        answer's content, which is what the agent echoes and the template
+        renders. The ids of the span are what a splice keeps.
+        """
+        parts, at = [], 0
+        for start, end in sorted(answers):
+            parts += [self._text(ids[at:start]), self.answer_text(ids[start:end])]
+            at = end
+        parts.append(self._text(ids[at:]))
+        return "".join(parts)
+
+    def answer_text(self, output_ids: list[int]) -> str:
+        """A sampled answer as rendered history holds it: its content, then its stop token."""
+        if output_ids and output_ids[-1] in self.stop_token_ids:
+            return self.decode(output_ids[:-1]) + self._text(output_ids[-1:])
+        return self.decode(output_ids)
+
+    def _text(self, ids: list[int]) -> str:
+        """Template ids as text, special tokens included (they were encoded from text)."""
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled ids, without special tokens (the stop token is not content)."""

@@ -33,6 +33,7 @@ from gateway.services.episodes import (
     conversation_hash,
     explicit_ids,
     place,
+    sampled_stream,
     with_sampled_answers,
 )
 from gateway.store.models import Completion, Run
@@ -144,18 +145,17 @@ class ChatService:
         parent = placement.parent
         template = serving.template
         # Our own earlier answers are rendered as the text that was sampled (tool calls
-        # included), not rebuilt from the structured message the agent echoed.
+        # included), not rebuilt from the structured message the agent echoed; the splice
+        # keeps their sampled ids (`sampled_stream`), for chat and Responses alike.
         to_render = with_sampled_answers(messages, chain, template.decode)
         to_render, native_tools = with_tools(
             to_render, req.tool_dicts(), req.tool_choice, template.native_tools
         )
         try:
             if parent is not None:
+                stream, answers = sampled_stream(chain)
                 prompt_ids, spliced = await asyncio.to_thread(
-                    template.continue_from,
-                    list(parent.prompt_token_ids) + list(parent.output_token_ids),
-                    to_render,
-                    native_tools,
+                    template.continue_from, stream, to_render, native_tools, answers
                 )
             else:
                 prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)

@@ -79,6 +79,31 @@ def with_sampled_answers(
     return out
 
 
+def sampled_stream(chain: list[Completion]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The parent's prompt + output ids, and the span of each answer rlgate sampled in them.
+
+    `chain` is the parent's ancestry, nearest first. Each of those answers is
+    an assistant message of the call (`find_parent` matched the call's
+    messages against what rlgate returned, U+FFFD and tool calls included), so
+    the template gets its content and the splice keeps its ids, whether or not
+    those ids survive a trip through text. The parent's answer ends the
+    stream; an older one is in it as sampled while every turn after it was
+    spliced (a drifted turn re-rendered its history from text).
+    """
+    parent = chain[0]
+    stream = [*parent.prompt_token_ids, *parent.output_token_ids]
+    spans: list[tuple[int, int]] = []
+    for k, c in enumerate(chain):
+        if k and not chain[k - 1].spliced:
+            break
+        start = len(c.prompt_token_ids)
+        end = start + len(c.output_token_ids)
+        if stream[start:end] != list(c.output_token_ids):
+            break
+        spans.append((start, end))
+    return stream, spans[::-1]
+
+
 def explicit_ids(
     ref: EpisodeRef, metadata: dict[str, str] | None
 ) -> tuple[str | None, str | None, str | None]:

@@ -47,7 +47,7 @@ def _turns(gateway_server, ids: list[str]) -> list[Turn]:
     ]
 
 
-def test_three_turns_on_real_samples_train_as_the_sampled_ids(gateway_server, run, template):
+def test_three_turns_on_real_samples_train_as_the_sampled_ids(gateway_server, run):
     client = _client(run, **{"X-Episode-Id": "ep-three"})
     messages = [{"role": "user", "content": "what is one plus two?"}]
     ids = []
@@ -62,20 +62,12 @@ def test_three_turns_on_real_samples_train_as_the_sampled_ids(gateway_server, ru
         ]
     turns = _turns(gateway_server, ids)
     assert [t.parent_id for t in turns] == [None, ids[0], ids[1]]
-    specials = set(template.tokenizer.all_special_ids)
     for parent, child in itertools.pairwise(turns):
-        # Sampled special tokens are not content: the agent cannot echo them, so the
-        # history truly differs from what was sampled there (drift); otherwise it splices.
-        inner = (
-            parent.output_token_ids[:-1]
-            if parent.output_token_ids[-1] in specials
-            else (parent.output_token_ids)
-        )
-        expect_splice = not (set(inner) & specials)
-        assert child.spliced is expect_splice
-        if expect_splice:
-            seen = parent.prompt_token_ids + parent.output_token_ids
-            assert child.prompt_token_ids[: len(seen)] == seen
+        # The agent echoed each answer as received: every turn splices, even where the
+        # sampled ids do not survive text (a special token or a byte cut mid-answer).
+        assert child.spliced
+        seen = parent.prompt_token_ids + parent.output_token_ids
+        assert child.prompt_token_ids[: len(seen)] == seen
     samples = assemble(turns, {t.id: 1.0 for t in turns})
     trained = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
     assert trained == [tok for t in turns for tok in t.output_token_ids]
