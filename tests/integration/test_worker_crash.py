@@ -47,6 +47,7 @@ def _group(run: dict, root: str, group: str) -> None:
         client.post("/rewards", body={"completion_id": resp.id, "reward": reward}, cast_to=object)
 
 
+@pytest.mark.timeout(1200)  # its own deadlines add up to about 12 minutes
 def test_killed_worker_step_reruns_and_bumps_once(redis_url, smollm2_cache, tmp_path) -> None:
     import httpx
 
@@ -113,8 +114,17 @@ def test_killed_worker_step_reruns_and_bumps_once(redis_url, smollm2_cache, tmp_
         from trainer.celery_app import make_celery
         from trainer.submit import submit_train_step
 
-        submit_train_step(make_celery(settings.queue()), run["run_id"], 0)
-        time.sleep(5)
+        celery = make_celery(settings.queue())
+        # Celery never overwrites a successful result, and a duplicate has the first delivery's
+        # task id (one per (run, step), see submit_train_step): drop that result first, so the
+        # result awaited below can only be the duplicate's.
+        first = celery.AsyncResult(f"{run['run_id']}-step-0")
+        assert first.state == "SUCCESS"
+        first.forget()
+        task_id = submit_train_step(celery, run["run_id"], 0)
+        assert task_id == first.id
+        assert celery.AsyncResult(task_id).get(timeout=120)["skipped"] is True
+        celery.close()
         info = admin.get(f"/admin/v1/runs/{run['run_id']}").json()
         assert info["current_version"] == 2
         assert [s["status"] for s in _steps(admin, run["run_id"])] == ["done", "done"]
