@@ -1,9 +1,12 @@
-"""Redis restarted in the middle of training: the step completes or is resent, never twice.
+"""Redis restarted in the middle of training: the lost step is resent and runs once.
 
 The test starts its OWN redis-server on a free port (no persistence, so the
 restart loses the queued task, the worst case) and never touches the shared
-one. The gateway resends a step that stays quiet for `step_timeout_s`; the
-version must advance exactly once per step.
+one. The worker starts only once Redis is down, so no worker can have taken
+the step's message before it was lost: the step can only run if the gateway
+resends it (a step that stays quiet for `step_timeout_s`). Redis then restarts
+once more under the connected worker, and the next step runs. The version
+must advance exactly once per step.
 """
 
 from __future__ import annotations
@@ -67,10 +70,9 @@ def _group(run: dict, group: str) -> None:
 
 def test_redis_restart_mid_training_step_runs_once(make_gateway, own_redis, tmp_path) -> None:
     broker = f"redis://127.0.0.1:{own_redis['port']}/0"
-    gw = make_gateway(
-        broker_url=broker, queue_name="faults-redis", step_timeout_s=6.0, sync_interval_s=0.3
-    )
-    worker = start_worker(gw.settings, tmp_path / "worker.log")
+    queue = "faults-redis"
+    gw = make_gateway(broker_url=broker, queue_name=queue, step_timeout_s=6.0, sync_interval_s=0.3)
+    worker = None
     admin = gw.admin()
 
     def info() -> dict:
@@ -88,16 +90,27 @@ def test_redis_restart_mid_training_step_runs_once(make_gateway, own_redis, tmp_
             {"group_size": 2, "groups_per_step": 1, "micro_batch_size": 2, "max_staleness": 1},
         )
         _group(run, "g0")
-        # the step is queued: Redis goes away with it, and comes back empty
-        wait_for(lambda: steps(), 30, "step 0 to be queued")
+        # the step's message is in Redis and no worker exists to take it: Redis goes away with
+        # it, and comes back empty
+        broker_client = redis.Redis(port=own_redis["port"], socket_connect_timeout=1)
+        wait_for(lambda: broker_client.llen(queue) == 1, 30, "step 0's message in Redis")
+        broker_client.close()
         own_redis["proc"].kill()
         own_redis["proc"].wait(10)
-        assert info()["current_version"] == 0
+        assert steps() == [(0, "queued")] and info()["current_version"] == 0
+        worker = start_worker(gw.settings, tmp_path / "worker.log")  # retries until Redis is back
         time.sleep(2)
         own_redis["proc"] = _redis(own_redis["port"])
         wait_for(lambda: info()["current_version"] == 1, 150, "version 1 after the restart")
         assert steps() == [(0, "done")]
-        # training goes on, and nothing runs twice
+        (step0,) = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
+        assert step0["metrics"]["resent"] >= 1  # only a resend could have brought it back
+        # Redis restarts again, now under a connected worker: both ends reconnect, training goes
+        # on, and nothing runs twice
+        own_redis["proc"].kill()
+        own_redis["proc"].wait(10)
+        time.sleep(2)
+        own_redis["proc"] = _redis(own_redis["port"])
         _group(run, "g1")
         wait_for(lambda: info()["current_version"] == 2, 150, "version 2")
         time.sleep(8)  # past step_timeout_s: a resend of a finished step must change nothing
@@ -109,4 +122,5 @@ def test_redis_restart_mid_training_step_runs_once(make_gateway, own_redis, tmp_
         raise
     finally:
         admin.close()
-        stop(worker)
+        if worker is not None:
+            stop(worker)
