@@ -64,14 +64,19 @@ def new_group_id() -> str:
 
 
 def check_id(kind: str, value: str) -> str:
-    """Reject ids that cannot travel as one URL path segment or that the gateway cannot store."""
+    """Reject, before anything is sent, the ids the gateway refuses (its one rule is
+    `gateway/identifiers.py`; tests/api/test_agents_sdk_gateway.py keeps the two in step)."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
     if len(value) > MAX_ID_LENGTH:
         raise ValueError(f"{kind} is longer than {MAX_ID_LENGTH} characters")
+    if not value.isprintable():
+        raise ValueError(f"{kind} {value!r} has a control, format or separator character")
     # Starlette routes on the decoded path, so even an escaped "/" would split the segment.
     if "/" in value or value in (".", ".."):
         raise ValueError(f"{kind} {value!r} cannot be used in a URL path")
+    if value.startswith("~"):
+        raise ValueError(f"{kind} {value!r} starts with '~', which the gateway reserves")
     return value
 
 

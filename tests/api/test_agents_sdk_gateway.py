@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import pytest
 
 from agents_sdk import (
@@ -153,6 +154,34 @@ def test_ids_that_need_escaping_arrive_as_given(gateway_server, run) -> None:
     assert gateway_server.query(
         "SELECT group_id FROM episodes WHERE id = ?", ("sdk episode 100% é&x=1",)
     ) == [("sdk group ü?#",)]
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["plain", "emoji 🎲", "x" * 100, "x" * 101, "~reserved", "mid~tilde", "tab\there",
+     "zero\u200bwidth", "nbsp\u00a0", "a/b", ".", "..", ""],
+)  # fmt: skip
+def test_the_sdk_refuses_exactly_the_ids_the_gateway_refuses(gateway_server, run, value) -> None:
+    try:
+        RLGate(run["base_url"], run["api_key"]).group(value)
+    except ValueError:
+        sdk_accepts = False
+    else:
+        sdk_accepts = True
+    # `metadata` carries any string to the gateway's one id rule, unlike a path or a header.
+    reply = httpx.post(
+        run["base_url"] + "/chat/completions",
+        json={
+            "model": run["name"],
+            "messages": USER,
+            "max_tokens": 1,
+            "metadata": {"episode_id": f"sdk-parity-{len(value)}", "group_id": value},
+        },
+        headers={"Authorization": f"Bearer {run['api_key']}"},
+        timeout=60,
+    )
+    assert reply.status_code in (200, 400), reply.text
+    assert sdk_accepts == (reply.status_code == 200), reply.text
 
 
 def test_gateway_errors_map_to_sdk_exceptions(gateway_server, run) -> None:
