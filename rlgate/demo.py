@@ -145,6 +145,9 @@ async def _loop(
             "groups_per_step": cfg.groups_per_step,
             "micro_batch_size": min(8, cfg.group_size * cfg.groups_per_step),
             "max_staleness": 0,
+            # a step waits for groups whose rewards differ; a wave that leaves too few
+            # runs another, and max_waves_per_step of them without enough means converged
+            "zero_variance_groups": "skip",
             "learning_rate": cfg.learning_rate,
             "seed": cfg.seed,
             **cfg.run_config,

@@ -6,8 +6,9 @@ For a group of G episodes with rewards r_1..r_G (same task, same policy):
 
 `std` is the population standard deviation (divide by G), as in the GRPO
 paper (Shao et al., 2024, "DeepSeekMath"). A zero-variance group gives every
-member A = 0 (the scheduler skips such groups before they reach here, and
-counts them). Every token an episode sampled gets its episode's advantage.
+member exactly A = 0 (by `zero_variance_groups`, the scheduler skips such
+groups before they reach here, or they train with zero advantage and the
+engine does not forward them). Every token an episode sampled gets its episode's advantage.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def grpo_advantage(
     `value` may be a turn's own return (see trainer.returns); for a
     single-turn episode it is the episode's return, one of `group_returns`.
     """
+    if all(x == value for x in group_returns):
+        return 0.0  # a zero-variance group: exactly 0, not the rounding error of its mean
     r = torch.tensor(group_returns, dtype=torch.float64)
     centred = value - float(r.mean())
     if normalize_std:

@@ -99,9 +99,11 @@ class RunConfig(BaseModel):
         "train", description="train an incomplete group's rewarded episodes (>= 2) or drop them"
     )
     zero_variance_groups: Literal["skip", "train"] = Field(
-        "skip",
-        description="skip a group whose rewards are all equal, or train it (zero advantage, "
-        "as TRL does; it still fills its place in the step)",
+        "train",
+        description="train: a group whose rewards are all equal takes its place in the step "
+        "with zero advantage (as in TRL's GRPOTrainer: one optimizer step per groups_per_step "
+        "groups sampled; the engine does not forward it); skip: drop it, and wait for "
+        "groups_per_step groups whose rewards differ",
     )
     tool_parser: str = Field("hermes", description="how tool calls are read from sampled text")
     reasoning_parser: Literal["none", "think"] = Field(

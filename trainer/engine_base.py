@@ -18,7 +18,11 @@ Three implementations, picked by `RunConfig.engine` through
 `Engine.step`, read top to bottom:
 
 1. Each rank takes its share of the samples (`shard_for_rank`; the whole
-   batch on one rank) and cuts it into micro-batches (`micro_batches`).
+   batch on one rank) and cuts those with a gradient into micro-batches
+   (`micro_batches`). A `gradient_free` sample (every trained token has
+   advantage 0 and no KL or entropy term applies: a zero-variance group
+   trained under `zero_variance_groups: train`) counts in the denominators
+   but is not forwarded: the gradient is the same, the compute is not spent.
 2. The trained-token count and the sample count are all-reduced FIRST, so
    every micro-batch on every rank divides by the same global denominator;
    the sum of the micro-batch losses over ranks is the single-process loss.
@@ -72,6 +76,7 @@ METRICS = (
     "grad_norm",
     "tokens",
     "tokens_total",
+    "samples_gradient_free",
     "train_seconds",
     "tokens_per_s",
     "ratio_max",
@@ -133,6 +138,16 @@ def shard_for_rank(samples: list[Sample], rank: int, world_size: int) -> list[Sa
 
 def trained_tokens(s: Sample) -> int:
     return sum(s.loss_mask[1:])  # position 0 has no predecessor, see trainer.packing
+
+
+def gradient_free(s: Sample, cfg: RunConfig) -> bool:
+    """Whether `s` adds exactly nothing to the gradient: every trained token has advantage
+    0 (a zero-variance group, `zero_variance_groups: train`) and no KL or entropy term
+    touches it. Such a sample still counts in the step's token denominator, as it does
+    in TRL's GRPOTrainer, but is not forwarded."""
+    if cfg.kl_coef or cfg.entropy_coef:
+        return False
+    return not any(a for a, m in zip(s.advantages, s.loss_mask, strict=True) if m)
 
 
 class Engine(ABC):
@@ -239,12 +254,23 @@ class Engine(ABC):
         t0 = time.perf_counter()
         cfg = self.cfg
         mine = shard_for_rank(samples, self.rank, self.world_size)
-        groups = self.micro_batches(mine)
-        n_tokens, n_seqs, n_total = self.all_reduce(
-            [sum(map(trained_tokens, mine)), len(mine), sum(len(s.input_ids) for s in mine)]
+        # Every sample counts in the denominators; only those with a gradient are forwarded.
+        computed = [s for s in mine if not gradient_free(s, cfg)]
+        groups = self.micro_batches(computed)
+        n_tokens, n_seqs, n_total, n_computed, n_free = self.all_reduce(
+            [
+                sum(map(trained_tokens, mine)),
+                len(mine),
+                sum(len(s.input_ids) for s in computed),
+                sum(map(trained_tokens, computed)),
+                len(mine) - len(computed),
+            ]
         )
-        (n_micro,) = self.all_reduce([len(groups)], op=dist.ReduceOp.MAX)
+        # At least one pass, a zero-weight one if nothing has a gradient: every parameter
+        # then holds a zero gradient and AdamW steps on its moments, as after a full pass.
+        (n_micro,) = self.all_reduce([max(len(groups), 1)], op=dist.ReduceOp.MAX)
         denom = max(n_tokens, 1.0)
+        metric_denom = max(n_computed, 1.0)  # the loss metrics are means over computed tokens
 
         self.optimizer.zero_grad(set_to_none=True)
         keys = (*LOSS_METRICS, "kl_ref") if self.reference is not None else LOSS_METRICS
@@ -270,7 +296,7 @@ class Engine(ABC):
             if real and here > 0:
                 local["loss"] += float(loss.detach())
                 for k in keys:
-                    local[k] += m[k] * here / denom
+                    local[k] += m[k] * here / metric_denom
                 ratio_max = max(ratio_max, m["ratio_max"])
 
         grad_norm = self.clip_gradients()
@@ -284,6 +310,7 @@ class Engine(ABC):
             "grad_norm": grad_norm,
             "tokens": n_tokens,
             "tokens_total": n_total,
+            "samples_gradient_free": n_free,
             "train_seconds": seconds,
             # every real position is forwarded and back-propagated, prompt included
             "tokens_per_s": n_total / seconds if seconds else 0.0,

@@ -23,10 +23,11 @@ The rules, in the order they apply:
    - stale: if any completion of any member was sampled more than
      `max_staleness` versions before the current one, the group is dropped;
    - zero variance: all rewards equal gives every token zero advantage; by
-     `zero_variance_groups` the group is dropped ("skip", the default) or is
-     ready like any other ("train": it trains with zero advantage, as TRL's
-     GRPOTrainer does, and takes its place in the step, so an agent that
-     sends a fixed batch of groups always sees the step happen);
+     `zero_variance_groups` the group is ready like any other ("train", the
+     default: it takes its place in the step with zero advantage, as in TRL's
+     GRPOTrainer, so there is one optimizer step per `groups_per_step` groups
+     sampled and an agent that sends a fixed batch of groups always sees the
+     step happen; the engine does not forward it) or is dropped ("skip");
    - otherwise it is ready.
 4. With fewer than `groups_per_step` ready groups nothing trains (the
    expiries and drops above still stand); otherwise the first
@@ -67,7 +68,7 @@ class BatchConfig:
     episode_timeout_s: float  # an open episode idle this long expires
     group_timeout_s: float  # a group still incomplete this long after it started is judged
     incomplete_groups: Literal["train", "drop"]  # what a timed-out group's rewarded episodes do
-    zero_variance_groups: Literal["skip", "train"] = "skip"  # equal rewards: dropped or trained
+    zero_variance_groups: Literal["skip", "train"] = "train"  # equal rewards: trained or dropped
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> BatchConfig:

@@ -4,8 +4,8 @@
   faster than the CPU trainer: admission holds their new conversations, so
   nothing goes stale and no agent sees an error.
 * A fixed-batch agent (send groups_per_step groups, wait for the version to
-  move, repeat) reaches N steps with an all-zero group in every batch, with
-  `zero_variance_groups: train`; with the default `skip` it reads
+  move, repeat) reaches N steps with an all-zero group in every batch under
+  the default `zero_variance_groups: train`; with `skip` it reads
   `skipped_zero_variance` from the status and sends a replacement group.
 """
 
@@ -146,10 +146,10 @@ def _wait_version(stack: Stack, run: dict, above: int) -> dict:
     raise AssertionError(f"the version never moved past {above}: {status}")
 
 
-def test_a_fixed_batch_agent_with_a_zero_group_reaches_n_steps_when_zero_groups_train(
+def test_a_fixed_batch_agent_with_a_zero_group_reaches_n_steps_by_the_default(
     stack: Stack,
 ) -> None:
-    run = _create(stack, "fixed-train", zero_variance_groups="train")
+    run = _create(stack, "fixed-train")  # zero_variance_groups: train is the default
     for step in range(3):
         zero, mixed = f"zero-{step}", f"mixed-{step}"
         for e in range(2):
@@ -162,8 +162,10 @@ def test_a_fixed_batch_agent_with_a_zero_group_reaches_n_steps_when_zero_groups_
     assert _counters(stack, run).get("skipped_zero_variance_groups", 0) == 0
 
 
-def test_a_fixed_batch_agent_replaces_skipped_groups_by_the_default(stack: Stack) -> None:
-    run = _create(stack, "fixed-skip")
+def test_a_fixed_batch_agent_replaces_skipped_groups_when_zero_groups_skip(
+    stack: Stack,
+) -> None:
+    run = _create(stack, "fixed-skip", zero_variance_groups="skip")
     replacements = 0
     for step in range(2):
         groups = {f"zero-{step}": 0.0, f"mixed-{step}": None}

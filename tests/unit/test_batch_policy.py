@@ -24,6 +24,7 @@ CFG = BatchConfig(
     episode_timeout_s=100.0,
     group_timeout_s=50.0,
     incomplete_groups="train",
+    zero_variance_groups="skip",  # the tests of skipping; "train" ones replace() it
 )
 
 
@@ -80,7 +81,7 @@ def test_batch_config_takes_its_fields_from_run_config() -> None:
         "episode_timeout_s": 3600.0,
         "group_timeout_s": 600.0,
         "incomplete_groups": "drop",
-        "zero_variance_groups": "skip",
+        "zero_variance_groups": "train",
     }
 
 
@@ -281,7 +282,7 @@ def test_a_zero_variance_group_trains_when_zero_variance_groups_is_train() -> No
     ]
     assert decision.episode_ids == ["a", "b", "c", "d"]
     assert decision.dropped == [] and decision.counters == {}
-    # the same batch under the default skips g, and h alone is short of groups_per_step
+    # the same batch under "skip" drops g, and h alone is short of groups_per_step
     skipped = select_batch(snapshot, VERSION, NOW, replace(cfg, zero_variance_groups="skip"))
     assert [(g.group_id, g.verdict) for g in skipped.groups] == [
         ("g", Verdict.ZERO_VARIANCE),
