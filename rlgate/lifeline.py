@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import select
 import signal
@@ -73,6 +74,10 @@ def die_with_parent(poll_s: float = 0.5, grace_s: float = 20.0) -> threading.Thr
         while os.getppid() == parent:
             time.sleep(poll_s)
         logger.warning("parent process %d is gone: shutting down", parent)
+        # The kernel ends the process `grace_s` from now whatever state Python is in
+        # (SIGALRM's default action; nothing in rlgate handles it): a graceful shutdown
+        # that waits on a held request or a stuck thread cannot keep it alive.
+        signal.alarm(max(1, math.ceil(grace_s)))
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         logger.error("shutdown took longer than %.0f s after the parent died: exiting", grace_s)
