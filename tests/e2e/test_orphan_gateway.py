@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from rlgate.stack import free_port
+from tests.procs import alive
 
 pytestmark = pytest.mark.integration
 
@@ -38,14 +39,6 @@ gateway = start_gateway(settings, "127.0.0.1", port, data.parent / "gateway.log"
 print(gateway.pid, flush=True)
 gateway.wait()
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_gateway_holding_a_request_dies_with_its_parent(

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from rlgate.stack import free_port, stop, wait_healthy
-from tests.e2e.test_up_signals import alive, children_of
+from tests.procs import alive, children_of
 
 pytestmark = pytest.mark.integration
 

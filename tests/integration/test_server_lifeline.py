@@ -19,6 +19,7 @@ import pytest
 
 from inference.launch import ServerConfig, start_server, stop_server
 from rlgate.stack import free_port
+from tests.procs import alive
 
 pytestmark = pytest.mark.integration
 
@@ -53,14 +54,6 @@ else:
 print("started", flush=True)
 time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_gone(pids: list[int], deadline_s: float = DEADLINE_S) -> list[int]:
