@@ -1,10 +1,12 @@
 """A gateway whose parent dies goes, even while it holds a request it cannot finish.
 
-Seen from outside: `rlgate demo` stopped while admission held a second wave of
-conversations left its gateway running for minutes after the parent-watch had
+Seen once from outside: `rlgate demo` stopped while admission held a second wave of
+conversations left its gateway running for 8 minutes after the parent-watch had
 asked it to stop (uvicorn's graceful shutdown waits for every in-flight request,
-and a held one may wait for `admission_wait_s`). The watch now arms SIGALRM, whose
-default action the kernel carries out however the process is stuck.
+and a held one may wait for `admission_wait_s`); the watch's own 20 s `os._exit`
+did not fire. That hang has not been reproduced: this test passes with or without
+the fix. The fix is a backstop the kernel carries out whatever state Python is in:
+the watch arms SIGALRM (default action: terminate) before it asks for the stop.
 """
 
 from __future__ import annotations
