@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import openai
 
 from inference.chat_template import ChatTemplate
 
@@ -111,6 +112,24 @@ def play(
                 {"role": "user", "content": f"and then {k}?"},
             ]
     return rows
+
+
+def play_responses(gateway: GatewayServer, run: dict, turns: int) -> tuple[list[dict], list[str]]:
+    """`turns` Responses API turns chained by `previous_response_id`; stored rows, texts."""
+    client = openai.OpenAI(base_url=run["base_url"], api_key=run["api_key"])
+    rows, texts, previous = [], [], None
+    for k in range(turns):
+        resp = client.responses.create(
+            model=run["name"],
+            input=FIRST[0]["content"] if k == 0 else f"and then {k}?",
+            previous_response_id=previous,
+            max_output_tokens=8,
+            temperature=0,
+        )
+        texts.append(resp.output_text)
+        rows.append(gateway.completion((resp.model_extra or {})["completion_id"]))
+        previous = resp.id
+    return rows, texts
 
 
 def answer(http: httpx.Client, body: dict) -> tuple[str, str]:

@@ -15,13 +15,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 
 from inference.chat_template import ChatTemplate
 from inference.stub_server import launch
 from rlgate.stack import free_port, stop, wait_healthy
-from tests.forced_tokens import FIRST, assert_spliced, byte_id, byte_model, byte_script, play
+from tests.forced_tokens import (
+    FIRST,
+    assert_spliced,
+    byte_id,
+    byte_model,
+    byte_script,
+    play,
+    play_responses,
+)
 
 if TYPE_CHECKING:
     from tests.conftest import GatewayServer
@@ -101,19 +108,8 @@ def test_an_answer_the_agent_changed_is_rendered_from_its_text(
 
 
 def test_responses_api_splices_byte_tokens(gateway_server, scripted_run) -> None:
-    client = openai.OpenAI(base_url=scripted_run["base_url"], api_key=scripted_run["api_key"])
-    rows, previous = [], None
-    for k in range(3):
-        resp = client.responses.create(
-            model=scripted_run["name"],
-            input=FIRST[0]["content"] if k == 0 else f"and then {k}?",
-            previous_response_id=previous,
-            max_output_tokens=8,
-            temperature=0,
-        )
-        assert "\ufffd" in resp.output_text
-        rows.append(gateway_server.completion((resp.model_extra or {})["completion_id"]))
-        previous = resp.id
+    rows, texts = play_responses(gateway_server, scripted_run, 3)
+    assert all("\ufffd" in text for text in texts)
     assert_spliced(rows)
 
 

