@@ -144,12 +144,12 @@ async def _loop(
             "group_size": cfg.group_size,
             "groups_per_step": cfg.groups_per_step,
             "micro_batch_size": min(8, cfg.group_size * cfg.groups_per_step),
+            # A step waits for groups whose rewards differ; a wave that leaves too few runs
+            # another, and max_waves_per_step of them without enough means converged.
             # max_staleness keeps its default (1): groups of a wave the step did not take
             # train in the next one. At 0 they would be dropped, and admission's capacity
-            # (one step's groups) would hold a second wave that this loop rewards only once
-            # the whole wave is answered.
-            # a step waits for groups whose rewards differ; a wave that leaves too few
-            # runs another, and max_waves_per_step of them without enough means converged
+            # (one step's groups) would hold a second wave that this loop rewards only
+            # once the whole wave is answered.
             "zero_variance_groups": "skip",
             "learning_rate": cfg.learning_rate,
             "seed": cfg.seed,
@@ -288,18 +288,15 @@ def _inference_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
         yield server.url
 
 
-def _all_cores() -> dict[str, int]:
-    cores = available_cores()
-    return {"backend_threads": cores, "trainer_threads": cores}
-
-
 def run_demo(cfg: DemoConfig, base: Settings) -> int:
     """Returns the process exit code: 0 only if the run learned."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     state = cfg.out / "state"
     # The demo samples a wave, then trains, then samples again: the backend and the worker
     # never run at once, so each may use every core unless the caller set a budget.
-    threads = {} if base.backend_threads or base.trainer_threads else _all_cores()
+    cores = available_cores()
+    budget_set = base.backend_threads or base.trainer_threads
+    threads = {} if budget_set else {"backend_threads": cores, "trainer_threads": cores}
     settings = base.model_copy(
         update={
             **threads,
