@@ -6,8 +6,10 @@ and a learning rate high enough that every version answers differently.
 
 - The local backend's hot swap is checked by its tokens, not only by its
   label: greedy output after each swap is the new checkpoint's greedy choice
-  at every position and, for some prompt, not the old checkpoint's
-  (tests/integration/test_vllm.py does the same for vLLM).
+  at every position, and its stored logprobs are the new checkpoint's, not
+  the old one's (tests/integration/test_vllm.py does the same for vLLM).
+  Logprobs, not a changed argmax: one step need not move any greedy choice
+  of a model that the previous step made peaky, but it always moves them.
 - A gateway restarted on the run at v2 serves v2: label and weights.
 - v1's checkpoint is pruned: downloading it or rolling back to it answers 410
   `checkpoint_pruned` and changes nothing; a rollback to v0 still works.
@@ -50,6 +52,7 @@ CONFIG = {
 PROMPTS = ["greedy?", "the river", "hello there", "what is two plus two?", "yes or no"]
 GREEDY_TOKENS = 8
 TIE = 1e-4  # logits this close to the maximum count as a greedy choice (float noise)
+SAME = 1e-3  # stored logprobs this close to a checkpoint's come from its weights
 
 
 @dataclass
@@ -87,15 +90,16 @@ class VersionStack:
             conn.close()
 
     def completion(self, completion_id: str) -> dict[str, Any]:
-        ((prompt, output, version),) = self.query(
-            "SELECT prompt_token_ids, output_token_ids, policy_version FROM completions "
-            "WHERE id = ?",
+        ((prompt, output, logprobs, version),) = self.query(
+            "SELECT prompt_token_ids, output_token_ids, output_logprobs, policy_version "
+            "FROM completions WHERE id = ?",
             (completion_id,),
         )
         return {
             "id": completion_id,
             "prompt": np.frombuffer(prompt, dtype="<i4").tolist(),
             "output": np.frombuffer(output, dtype="<i4").tolist(),
+            "logprobs": np.frombuffer(logprobs, dtype="<f4").tolist(),
             "version": version,
         }
 
@@ -160,6 +164,15 @@ class Reference:
         chosen = rows[torch.arange(len(output)), torch.tensor(output)]
         return int((chosen < rows.max(dim=-1).values - TIE).sum())
 
+    def logprob_gap(self, path: Path, row: dict) -> float:
+        """Largest distance between the row's stored logprobs and `path`'s (temperature 1)."""
+        with torch.no_grad():
+            logits = self.model(path)(torch.tensor([row["prompt"] + row["output"]])).logits[0]
+        start = len(row["prompt"]) - 1
+        lps = torch.log_softmax(logits[start : start + len(row["output"])], dim=-1)
+        expected = lps[torch.arange(len(row["output"])), torch.tensor(row["output"])]
+        return float((expected - torch.tensor(row["logprobs"])).abs().max())
+
 
 @pytest.fixture(scope="module")
 def reference() -> Reference:
@@ -167,12 +180,16 @@ def reference() -> Reference:
 
 
 def _wave(stack: VersionStack, step: int) -> None:
-    """One group of two episodes, rewards 0 and 1: enough for one train step."""
+    """One group of two episodes, rewards 0 and 1: enough for one train step.
+
+    The two prompts differ, so the step's gradient is never zero: two samples
+    with the same tokens and advantages of +1 and -1 would cancel exactly.
+    """
     for e in range(2):
         client = stack.agent(f"/groups/g{step}/episodes/w{step}-{e}")
         resp = client.chat.completions.create(
             model=stack.run["name"],
-            messages=[{"role": "user", "content": "What is 1 + 2?"}],
+            messages=[{"role": "user", "content": f"What is {e} + 2?"}],
             max_tokens=8,
         )
         client.post("/rewards", body={"completion_id": resp.id, "reward": float(e)}, cast_to=object)
@@ -246,14 +263,11 @@ def test_greedy_after_a_swap_comes_from_the_new_weights(
     assert {r["version"] for r in rows} == {new}
     for row in rows:
         assert reference.off_greedy(stack.kept[new], row["prompt"], row["output"]) == 0, row
-    # The new checkpoint answers differently from the old one: with label-only swaps these
-    # rows would be the old weights' greedy output and fail the check above.
-    changed = [
-        r for r in rows if reference.off_greedy(stack.kept[old], r["prompt"], r["output"]) > 0
-    ]
-    assert changed, "the train step left every greedy answer unchanged; raise learning_rate"
-    before = {tuple(r["prompt"]): r["output"] for r in stack.greedy[old]}
-    assert any(before[tuple(r["prompt"])] != r["output"] for r in changed)
+        assert reference.logprob_gap(stack.kept[new], row) < SAME, row
+    # With a label-only swap the stored logprobs would be the old weights' (all gaps ~0);
+    # one step at this learning rate moves them well past SAME.
+    gaps = [reference.logprob_gap(stack.kept[old], r) for r in rows]
+    assert max(gaps) > SAME, gaps
 
 
 # --- pruning, and a rollback to a pruned version -----------------------------------------------
