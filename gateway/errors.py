@@ -16,6 +16,15 @@
 
 Anything else that escapes a handler is a bug: logged with its traceback and
 answered 500 with a message that leaks nothing.
+
+One contract for every endpoint, streaming or not:
+
+* a backend failure is mapped here once (`backend_failure`): overloaded -> 429
+  with `Retry-After`, anything else -> 503 `backend_unavailable`;
+* the database unreachable -> 503 `database_unavailable`;
+* the body is OpenAI's `{"error": {...}}`, except under Anthropic's paths
+  (`/v1/messages...`), which get Anthropic's `{"type": "error", "error":
+  {"type", "message"}}` with the same status and headers.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inference.backend import BackendError, BackendOverloaded
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +61,14 @@ class APIError(Exception):
                 "param": self.param,
                 "code": self.code,
             }
+        }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error as Anthropic's API words it."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else None)
+        return {
+            "type": "error",
+            "error": {"type": kind or "invalid_request_error", "message": self.message},
         }
 
 
@@ -107,9 +126,38 @@ class Unavailable(APIError):
     type = "service_unavailable"
 
 
-def error_response(err: APIError) -> JSONResponse:
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def backend_failure(exc: BackendError) -> APIError:
+    """The one mapping of a backend failure to HTTP, for every endpoint and stream."""
+    if isinstance(exc, BackendOverloaded):
+        return RateLimited(
+            f"the run's backend is at capacity; retry shortly ({exc})", code="backend_overloaded"
+        )
+    return Unavailable(
+        "the inference backend failed; retry the request", code="backend_unavailable"
+    )
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Anthropic's endpoints answer errors in Anthropic's shape (also under episode prefixes)."""
+    return "/v1/messages" in path
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """`err` as a response; `path` (the request's) picks OpenAI's or Anthropic's shape."""
     headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, RateLimited) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    body = err.anthropic_body() if is_anthropic_path(path) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
@@ -122,32 +170,33 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = request.url.path
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = tuple(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return error_response(
-                InvalidRequest("request body is not valid JSON", code="invalid_json")
+                InvalidRequest("request body is not valid JSON", code="invalid_json"), path
             )
         param = _loc_to_param(loc)
         msg = first.get("msg", "invalid request")
         text = f"{param}: {msg}" if param else msg
         if first.get("type") == "value_error" and (param or "").split(".")[-1] == "reward":
             # A well-formed request whose reward value cannot be used (non-finite).
-            return error_response(Unprocessable(text, param=param, code="invalid_reward"))
-        return error_response(InvalidRequest(text, param=param, code="invalid_value"))
+            return error_response(Unprocessable(text, param=param, code="invalid_reward"), path)
+        return error_response(InvalidRequest(text, param=param, code="invalid_value"), path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(str(exc.detail))
         err.status = exc.status_code
         err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
@@ -157,14 +206,15 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(
                 Unavailable(
                     "the database is unavailable; retry the request", code="database_unavailable"
-                )
+                ),
+                request.url.path,
             )
         return await _bug(request, exc)
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         err = APIError("internal server error")
         err.status = 500
         err.type = "server_error"
-        return error_response(err)
+        return error_response(err, request.url.path)

@@ -25,12 +25,12 @@ class BodyLimit:
             try:
                 too_big = int(declared) > self.max_bytes
             except ValueError:
-                await error_response(InvalidRequest("invalid Content-Length header"))(
-                    scope, receive, send
-                )
+                await error_response(
+                    InvalidRequest("invalid Content-Length header"), scope["path"]
+                )(scope, receive, send)
                 return
             if too_big:
-                await error_response(self._error())(scope, receive, send)
+                await error_response(self._error(), scope["path"])(scope, receive, send)
                 return
         seen = 0
         exceeded = False
@@ -50,7 +50,7 @@ class BodyLimit:
             if not exceeded:
                 await send(message)
             elif message["type"] == "http.response.start":
-                await error_response(self._error())(scope, receive, send)
+                await error_response(self._error(), scope["path"])(scope, receive, send)
 
         await self.app(scope, limited, guarded_send)
 

@@ -16,9 +16,11 @@ and implements only the subset rlgate uses, with no model behind it:
 Output is deterministic: token i of a request is a function of the prompt,
 i and the weights version; its logprob likewise. Each request waits
 ``--latency-ms`` before its first token and ``--token-latency-ms`` between
-tokens. A weight reload bumps the served version (``GET /stub/state`` shows
-it, with counters), and the tokens change with it, so swap tests can see
-which weights answered. While paused, new requests wait for resume.
+tokens. With ``--max-running N`` a request beyond N in flight is answered
+429 (vLLM's overload answer; 0 refuses every request). A weight reload
+bumps the served version (``GET /stub/state`` shows it, with counters), and
+the tokens change with it, so swap tests can see which weights answered.
+While paused, new requests wait for resume.
 
 Run: ``python -m inference.stub_server --flavor vllm --port 8001 --latency-ms 50``.
 """
@@ -60,6 +62,7 @@ class StubConfig:
     max_model_len: int = 2048
     version: int = 0  # weights version served at start
     incremental_streaming_output: bool = False  # sglang: stream only new tokens per event
+    max_running: int = -1  # requests in flight beyond this get 429 (-1: no limit)
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -81,6 +84,13 @@ class StubState:
         self.requests = 0
         self.in_flight = 0
         self.reloads = 0
+
+    def overloaded(self) -> JSONResponse | None:
+        """The 429 a full server answers, when `max_running` requests are already in flight."""
+        if 0 <= self.cfg.max_running <= self.in_flight:
+            message = f"stub: {self.in_flight} requests running (max {self.cfg.max_running})"
+            return JSONResponse({"error": {"message": message, "code": 429}}, 429)
+        return None
 
     def token(self, prompt: list[int], i: int) -> tuple[int, float]:
         span = self.cfg.vocab_size - self.cfg.token_base
@@ -176,6 +186,8 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        if (full := state.overloaded()) is not None:
+            return full
         body = await request.json()
         prompt = body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -266,6 +278,8 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
+        if (full := state.overloaded()) is not None:
+            return full
         body = await request.json()
         ids = body.get("input_ids")
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
@@ -385,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-base", type=int, default=100)
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--max-running", type=int, default=-1)
     args = parser.parse_args(argv)
     import uvicorn
 

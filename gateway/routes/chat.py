@@ -29,7 +29,9 @@ async def chat_completions(
         if (body.n or 1) > 1:
             raise InvalidRequest("stream=true with n > 1 is not supported yet", param="n")
         prep = await chat.prepare(run, body, ref)
-        return event_stream(sse(ChatStream(chat, prep).chunks()), prep.placement.episode_id)
+        stream = ChatStream(chat, prep)
+        await stream.open()
+        return event_stream(sse(stream.chunks()), prep.placement.episode_id)
     resp = await chat.create(run, body, ref)
     if resp.episode_id is not None:
         response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)

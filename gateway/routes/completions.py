@@ -22,7 +22,9 @@ async def completions(
     service = TextCompletionService(request.app.state.chat)
     if body.stream:
         prep = await service.prepare(run, body, ref)
-        return event_stream(sse(service.stream(prep).chunks()), prep.placement.episode_id)
+        stream = service.stream(prep)
+        await stream.open()
+        return event_stream(sse(stream.chunks()), prep.placement.episode_id)
     resp = await service.create(run, body, ref)
     if resp.episode_id is not None:
         response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)

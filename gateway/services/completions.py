@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import InvalidRequest, RateLimited, Unavailable
+from gateway.errors import InvalidRequest, Unavailable, backend_failure
 from gateway.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -38,7 +38,7 @@ from gateway.services.episodes import (
 )
 from gateway.store.models import Completion, Run
 from gateway.store.runs import checkpoint_of
-from inference.backend import BackendError, BackendOverloaded
+from inference.backend import BackendError
 from inference.reasoning import split_reasoning
 from inference.tool_parsers import ToolParser, get_parser
 from inference.tool_prompt import with_tools
@@ -200,13 +200,9 @@ class ChatService:
                     for i in range(n)
                 )
             )
-        except BackendOverloaded as exc:
-            raise RateLimited(f"the run's backend is at capacity: {exc}") from exc
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
-            raise Unavailable(
-                "the inference backend failed; retry the request", code="backend_unavailable"
-            ) from exc
+            raise backend_failure(exc) from exc
         base_id = "chatcmpl-" + uuid.uuid4().hex
         # n > 1: each choice is an episode of its own, and together they form one group.
         group_id = (

@@ -194,7 +194,7 @@ class QuotaMiddleware:
         try:
             await quotas.admit(key_hash)
         except RateLimited as exc:
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, scope["path"])(scope, receive, send)
             return
         except RedisError as exc:
             logger.warning("quota check skipped, Redis unavailable: %s", exc)

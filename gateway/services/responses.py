@@ -102,7 +102,9 @@ class ResponsesService:
         conv = await self.conversation(run, req)
         with chat_params_renamed():
             prep = await self.chat.prepare(run, conv.chat, ref)
-        return ResponseStream(self, req, conv, ChatStream(self.chat, prep))
+        chat = ChatStream(self.chat, prep)
+        await chat.open()
+        return ResponseStream(self, req, conv, chat)
 
     async def retrieve(self, run: Run, response_id: str) -> dict[str, Any]:
         return (await self.stored(run, response_id, "response_id")).response

@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from gateway.errors import Unavailable
+from gateway.errors import backend_failure
 from gateway.protocol import Usage
 from gateway.services.completions import ChatService, Prepared, finish_reason
 from gateway.store.models import Completion
@@ -86,10 +86,12 @@ class IncrementalDecoder:
 class BackendStream:
     """What chat and text streaming share; subclasses yield their chunks from `_chunks()`.
 
-    The backend stream starts in `__init__`, so a failure to start is a plain 503 before
-    any byte is sent; `chunks()` turns a later failure into OpenAI's in-stream error event
-    and, if the completion was not stored (a disconnect or that failure), keeps what was
-    sampled via `keep_partial`.
+    The backend stream starts in `__init__`, and the route awaits `open()` (the first
+    token) before it answers: a backend that is full or down before its first token is
+    the same plain 429 or 503 as without streaming (`gateway.errors.backend_failure`),
+    not an error event after a 200. `chunks()` turns a later failure into an in-stream
+    error event and, if the completion was not stored (a disconnect or that failure),
+    keeps what was sampled via `keep_partial`.
     """
 
     def __init__(self, chat: ChatService, prep: Prepared, completion_id: str) -> None:
@@ -101,13 +103,31 @@ class BackendStream:
             self.stream: TokenStream = prep.serving.backend.start_stream(
                 GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
             )
-        except BackendError as exc:  # e.g. no healthy replica: before any byte is sent
-            raise Unavailable(
-                "the inference backend failed; retry the request", code="backend_unavailable"
-            ) from exc
+        except BackendError as exc:  # e.g. a full queue, no healthy replica: before any byte
+            raise backend_failure(exc) from exc
         opts = prep.req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.stored = False
+        self._tokens = aiter(self.stream.tokens())
+        self._first: tuple[int, float] | None = None
+
+    async def open(self) -> None:
+        """Wait for the first token; a backend failure before it raises its HTTP error."""
+        try:
+            self._first = await anext(self._tokens, None)
+        except BackendError as exc:
+            self.stored = True  # nothing was sampled: nothing to keep
+            raise backend_failure(exc) from exc
+        except BaseException:  # the caller went away while it waited
+            await keep_partial(self.stream, self._store, self.id)
+            raise
+
+    async def tokens(self) -> AsyncIterator[tuple[int, float]]:
+        """The backend's (token id, logprob) pairs, the one `open()` took first."""
+        if self._first is not None:
+            yield self._first
+        async for item in self._tokens:
+            yield item
 
     def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         raise NotImplementedError
@@ -121,10 +141,7 @@ class BackendStream:
             # The backend died after this stream had tokens (a replica set retries only
             # before the first one): end with OpenAI's in-stream error event; nothing is stored.
             logger.warning("stream %s broke mid-generation: %s", self.id, exc)
-            yield Unavailable(
-                "the inference backend failed mid-stream; retry the request",
-                code="backend_unavailable",
-            ).body()
+            yield backend_failure(exc).body()
         finally:
             if not self.stored:
                 await keep_partial(self.stream, self._store, self.id)
@@ -180,7 +197,7 @@ class ChatStream(BackendStream):
         # With tools offered, text may turn out to be a tool call: it is held back and
         # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
         tools = self.prep.tool_parser is not None or self.prep.reasoning
-        async for token, logprob in self.stream.tokens():
+        async for token, logprob in self.tokens():
             pending.append((token, logprob))
             piece = decoder.push(token)
             if piece and not tools:

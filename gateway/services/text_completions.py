@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.errors import InvalidRequest, Unavailable
+from gateway.errors import InvalidRequest, backend_failure
 from gateway.protocol import Usage
 from gateway.protocol_legacy import (
     DEFAULT_MAX_TOKENS,
@@ -105,9 +105,7 @@ class TextCompletionService:
             )
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
-            raise Unavailable(
-                "the inference backend failed; retry the request", code="backend_unavailable"
-            ) from exc
+            raise backend_failure(exc) from exc
         row = ChatService.completion_row(prep, new_id(), None, result)
         await self.chat.store([row], prep.placement.group_id)
         return self._response(prep, row)
@@ -203,7 +201,7 @@ class TextStream(BackendStream):
                 add_prompt_logprobs(lps, template, self.prep.prompt_ids)
             yield self._chunk(echo, lps)
         pending: list[tuple[int, float, int]] = []
-        async for token, logprob in self.stream.tokens():
+        async for token, logprob in self.tokens():
             pending.append((token, logprob, len(echo) + len(decoder.sent)))
             piece = decoder.push(token)
             if piece:
