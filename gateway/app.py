@@ -24,6 +24,7 @@ from gateway.routes import (
     export,
     health,
     keys,
+    messages,
     metrics,
     models,
     quotas,
@@ -136,7 +137,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.include_router(prometheus_router)
     install_dashboard(app)
     for prefix in EPISODE_PREFIXES:
-        for agent in (chat, models, completions, responses, rewards, run_status):
+        for agent in (chat, models, completions, responses, messages, rewards, run_status):
             app.include_router(agent.router, prefix=prefix, include_in_schema=prefix == "")
 
     @app.get("/", include_in_schema=False)

@@ -27,13 +27,18 @@ class AgentRequest(Protocol):
 
 
 def _bearer(request: Request) -> str:
+    """The caller's key: `Authorization: Bearer <key>` (OpenAI) or `x-api-key` (Anthropic)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationFailed(
-            "missing API key: send it as 'Authorization: Bearer <key>'", code="missing_api_key"
-        )
-    return token.strip()
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = request.headers.get("x-api-key", "").strip()
+    if key:
+        return key
+    raise AuthenticationFailed(
+        "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+        code="missing_api_key",
+    )
 
 
 async def current_run(request: Request) -> Run:

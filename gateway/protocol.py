@@ -118,6 +118,8 @@ class ChatCompletionRequest(OpenAIModel):
     top_p: float | None = Field(None, gt=0, le=1)
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    # --- rlgate extension (vLLM's too): sample from the k likeliest tokens only
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -187,10 +189,15 @@ class Choice(BaseModel):
     episode_id: str | None = None
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # set when a run thinks
 
 
 class ChatCompletion(BaseModel):

@@ -42,6 +42,7 @@ def generate_payload(request: GenerateRequest, stream: bool) -> dict[str, Any]:
         "max_new_tokens": p.max_tokens,
         "temperature": p.temperature,
         "top_p": p.top_p,
+        "top_k": p.top_k or -1,  # SGLang's "off" is -1
     }
     if p.stop_token_ids:
         sampling["stop_token_ids"] = list(p.stop_token_ids)

@@ -28,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: sampling ends once the text contains one
+    top_k: int = 0  # sample from the k likeliest tokens only (0: all of them)
 
     def __post_init__(self) -> None:
         # Checked here, before a request joins a batch, so one bad request cannot fail others.
@@ -39,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be 0 (off) or a positive count")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise ValueError("stop takes up to 4 non-empty strings")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:

@@ -55,7 +55,7 @@ def completion_body(model: str, request: GenerateRequest, stream: bool) -> dict[
         "frequency_penalty": 0.0,
         # --- vLLM extensions
         "return_token_ids": True,
-        "top_k": 0,  # disabled (a model's generation_config may set one)
+        "top_k": p.top_k,  # 0 is off, even where a model's generation_config sets one
         "min_p": 0.0,
         "repetition_penalty": 1.0,
         "ignore_eos": True,  # stop on the template's stop ids only, like the local backend

@@ -18,6 +18,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
+    CompletionTokensDetails,
     ResponseMessage,
     TokenLogprob,
     Usage,
@@ -39,7 +40,7 @@ from gateway.services.episodes import (
 from gateway.store.models import Completion, Run
 from gateway.store.runs import checkpoint_of
 from inference.backend import BackendError
-from inference.reasoning import split_reasoning
+from inference.reasoning import opens_think, split_reasoning, think_token_count
 from inference.tool_parsers import ToolParser, get_parser
 from inference.tool_prompt import with_tools
 from inference.types import (
@@ -70,6 +71,7 @@ class Prepared:
     params: SamplingParams
     tool_parser: ToolParser | None = None  # set when the call offers tools
     reasoning: bool = False  # split <think>...</think> into reasoning_content
+    think_open: bool = False  # the prompt ends in an open <think>: sampling starts inside it
 
 
 class ChatService:
@@ -111,10 +113,14 @@ class ChatService:
             logger.exception("could not load the model of run %s", run.id)
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
 
-    async def prepare(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> Prepared:
+    async def prepare(
+        self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef, *, think: bool = False
+    ) -> Prepared:
         """Everything before sampling: ids, placement, the token-exact prompt, sampling params.
 
-        Every client error is raised here, before a stream could have started.
+        Every client error is raised here, before a stream could have started. `think`
+        splits reasoning out even where the run does not parse it (a Messages call that
+        enables `thinking`).
         """
         explicit_ids(ref, req.metadata)  # validate ids before any work
         for name in ("frequency_penalty", "presence_penalty"):
@@ -170,14 +176,30 @@ class ChatService:
             max_context=serving.max_context,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
             seed=req.seed,
             stop_token_ids=template.stop_token_ids,
             stop=req.stop_strings(),
             param="messages",
         )
         parser = get_parser(cfg.tool_parser) if req.tools_active() else None
+        reasoning = think or cfg.reasoning_parser == "think"
+        # The last few ids are enough to see whether the generation prompt opened <think>.
+        think_open = reasoning and opens_think(template.stream_text(prompt_ids[-16:]))
         await self.admit(run, cfg, placement, req.n or 1)
-        return Prepared(run, req, serving, messages, placement, prompt_ids, spliced, params, parser)
+        return Prepared(
+            run,
+            req,
+            serving,
+            messages,
+            placement,
+            prompt_ids,
+            spliced,
+            params,
+            parser,
+            reasoning=reasoning,
+            think_open=think_open,
+        )
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or
@@ -189,8 +211,17 @@ class ChatService:
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
         prep = await self.prepare(run, req, ref)
-        serving, params, prompt_ids = prep.serving, prep.params, prep.prompt_ids
-        n = req.n or 1
+        base_id = "chatcmpl-" + uuid.uuid4().hex
+        rows, group_id = await self.sample(prep, base_id)
+        return self._response(req, prep.serving, base_id, group_id, rows)
+
+    async def sample(self, prep: Prepared, base_id: str) -> tuple[list[Completion], str | None]:
+        """Sample the call's `n` choices and store them: (the stored rows, the group of n > 1).
+
+        With n = 1 the completion's id is `base_id`; choice i of n > 1 is `base_id-i`.
+        """
+        serving, params, prompt_ids, run = prep.serving, prep.params, prep.prompt_ids, prep.run
+        n = prep.req.n or 1
         try:
             results = await asyncio.gather(
                 *(
@@ -203,7 +234,6 @@ class ChatService:
         except BackendError as exc:
             logger.warning("backend failed for run %s: %s", run.id, exc)
             raise backend_failure(exc) from exc
-        base_id = "chatcmpl-" + uuid.uuid4().hex
         # n > 1: each choice is an episode of its own, and together they form one group.
         group_id = (
             prep.placement.group_id if n == 1 else (prep.placement.group_id or f"n-{base_id}")
@@ -215,7 +245,7 @@ class ChatService:
             for i, r in enumerate(results)
         ]
         await self.store(rows, group_id)
-        return self._response(req, serving, base_id, group_id if n > 1 else None, rows)
+        return rows, group_id if n > 1 else None
 
     @staticmethod
     def completion_row(
@@ -232,7 +262,7 @@ class ChatService:
         calls: list[dict[str, Any]] = []
         reasoning = None
         if prep.reasoning:
-            reasoning, text = split_reasoning(text)
+            reasoning, text = split_reasoning(text, prep.think_open)
         if prep.tool_parser is not None:
             text, parsed = prep.tool_parser(text)
             if prep.req.parallel_tool_calls is False:
@@ -300,15 +330,11 @@ class ChatService:
                     episode_id=row.episode_id,
                 )
             )
-        n_prompt = len(rows[0].prompt_token_ids)
-        n_out = sum(len(r.output_token_ids) for r in rows)
         return ChatCompletion(
             id=base_id,
             model=req.model,
             choices=choices,
-            usage=Usage(
-                prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
-            ),
+            usage=chat_usage(rows, serving.template.decode),
             system_fingerprint=f"rlgate-{rows[0].run_id}-v{rows[0].policy_version}",
             episode_id=rows[0].episode_id if len(rows) == 1 else None,
             group_id=group_id,
@@ -324,6 +350,7 @@ def sampling_params(
     temperature: float | None,
     top_p: float | None,
     seed: int | None,
+    top_k: int | None = None,
     stop_token_ids: tuple[int, ...],
     stop: tuple[str, ...],
     param: str,
@@ -344,12 +371,31 @@ def sampling_params(
             max_tokens=max_new,
             temperature=temp,
             top_p=top_p or 1.0,
+            top_k=max(top_k or 0, 0),
             seed=seed,
             stop_token_ids=stop_token_ids,
             stop=stop,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
+
+
+def chat_usage(rows: list[Completion], decode) -> Usage:
+    """Token counts of a call's choices (they share the prompt); with reasoning parsed, the
+    thinking tokens too (`completion_tokens_details.reasoning_tokens`, as OpenAI counts them)."""
+    n_prompt = len(rows[0].prompt_token_ids)
+    n_out = sum(len(r.output_token_ids) for r in rows)
+    thinking = [r for r in rows if r.reasoning_content is not None]
+    details = None
+    if thinking:
+        n_think = sum(think_token_count(list(r.output_token_ids), decode) for r in thinking)
+        details = CompletionTokensDetails(reasoning_tokens=n_think)
+    return Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_out,
+        total_tokens=n_prompt + n_out,
+        completion_tokens_details=details,
+    )
 
 
 def finish_reason(row: Completion) -> str:

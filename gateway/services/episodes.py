@@ -42,9 +42,30 @@ class Placement:
 
 
 def conversation_hash(messages: list[dict[str, Any]]) -> str:
-    """Order- and content-exact hash of normalised messages (role, text, tool fields)."""
+    """Order- and content-exact hash of normalised messages (role, text, tool fields).
+
+    A tool call's arguments count as the JSON value they spell, not as their text:
+    Anthropic's clients echo a call's `input` as an object, OpenAI's as the string.
+    """
+    messages = [_canonical_calls(m) for m in messages]
     canonical = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _canonical_calls(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            out.append(call)  # not JSON: compared as text
+            continue
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return {**message, "tool_calls": out}
 
 
 def answer_message(content: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:

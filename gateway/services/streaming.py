@@ -23,9 +23,10 @@ import anyio
 
 from gateway.errors import backend_failure
 from gateway.protocol import Usage
-from gateway.services.completions import ChatService, Prepared, finish_reason
+from gateway.services.completions import ChatService, Prepared, chat_usage, finish_reason
 from gateway.store.models import Completion
 from inference.backend import BackendError, TokenStream
+from inference.reasoning import ThinkStream
 from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 
 logger = logging.getLogger(__name__)
@@ -164,8 +165,8 @@ class BackendStream:
 class ChatStream(BackendStream):
     """One streaming call: `chunks()` yields JSON-ready chunk dicts."""
 
-    def __init__(self, chat: ChatService, prep: Prepared) -> None:
-        super().__init__(chat, prep, "chatcmpl-" + uuid.uuid4().hex)
+    def __init__(self, chat: ChatService, prep: Prepared, completion_id: str | None = None) -> None:
+        super().__init__(chat, prep, completion_id or "chatcmpl-" + uuid.uuid4().hex)
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> dict:
         chunk = {
@@ -192,30 +193,50 @@ class ChatStream(BackendStream):
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         decoder = IncrementalDecoder(self.prep.serving.template.decode, self.prep.params.stop)
+        # With reasoning parsed, the text is split as it comes: `reasoning_content` deltas
+        # inside <think>, then `content` deltas (`ThinkStream` holds back only what could
+        # still be a tag, or whitespace the split strips).
+        think = ThinkStream(self.prep.think_open) if self.prep.reasoning else None
+        # With tools offered, the answer may turn out to be a tool call: it is held back
+        # and sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
+        hold = self.prep.tool_parser is not None
         yield self._chunk({"role": "assistant", "content": ""})
-        pending: list[tuple[int, float]] = []
-        # With tools offered, text may turn out to be a tool call: it is held back and
-        # sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
-        tools = self.prep.tool_parser is not None or self.prep.reasoning
+        pending: list[tuple[int, float]] = []  # sampled, not yet on a chunk's logprobs
         async for token, logprob in self.tokens():
             pending.append((token, logprob))
             piece = decoder.push(token)
-            if piece and not tools:
-                yield self._chunk({"content": piece}, logprobs=self._logprobs(pending))
+            reasoning, content = think.push(piece) if think and piece else ("", piece)
+            for delta in _deltas(reasoning, "" if hold else content):
+                yield self._chunk(delta, logprobs=self._logprobs(pending))
                 pending = []
         result = await self.stream.result()
         rest = decoder.flush()
         row = await self._store(result)
-        if tools:
-            if row.reasoning_content:
-                yield self._chunk({"reasoning_content": row.reasoning_content})
-            if row.content or pending:
-                yield self._chunk({"content": row.content}, logprobs=self._logprobs(pending))
-            for i, call in enumerate(row.tool_calls or []):
-                yield self._chunk({"tool_calls": [{"index": i, **call}]})
-        elif rest or pending:
-            yield self._chunk({"content": rest}, logprobs=self._logprobs(pending))
+        reasoning, content = (
+            ("", rest) if think is None else _joined(think.push(rest), think.flush())
+        )
+        if hold:
+            content = row.content
+        # The last sampled tokens' logprobs ride on the first of these, or an empty one.
+        deltas = _deltas(reasoning, content) or ([{"content": ""}] if pending else [])
+        for delta in deltas:
+            yield self._chunk(delta, logprobs=self._logprobs(pending))
+            pending = []
+        for i, call in enumerate(row.tool_calls or []):
+            yield self._chunk({"tool_calls": [{"index": i, **call}]})
         yield self._chunk({}, finish_reason(row))
         if self.include_usage:
-            yield self.usage_chunk(self._chunk({}), result)
+            chunk = self.usage_chunk(self._chunk({}), result)
+            chunk["usage"] = chat_usage([row], self.prep.serving.template.decode).model_dump()
+            yield chunk
         logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
+
+
+def _deltas(reasoning: str, content: str) -> list[dict[str, str]]:
+    """The chunk deltas for some split text: its reasoning first, then its answer."""
+    out = [{"reasoning_content": reasoning}] if reasoning else []
+    return [*out, {"content": content}] if content else out
+
+
+def _joined(*parts: tuple[str, str]) -> tuple[str, str]:
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)

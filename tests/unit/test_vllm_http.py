@@ -83,6 +83,9 @@ def test_body_maps_sampling_params_one_to_one() -> None:
     assert body["return_token_ids"] is True and body["logprobs"] == 0
     assert body["stop_token_ids"] == [2] and body["ignore_eos"] is True
     assert "stop" not in body  # no stop strings asked for
+    assert body["top_k"] == 0  # off, whatever the model's generation_config says
+    params = SamplingParams(top_k=5)
+    assert completion_body("m", GenerateRequest([1], params), stream=False)["top_k"] == 5
 
 
 async def test_generate_and_stream_return_ids_logprobs_and_version() -> None:

@@ -1,0 +1,56 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic's API), also under episode prefixes.
+
+Errors under these paths are in Anthropic's shape (`gateway.errors`); the
+`anthropic-version` and `anthropic-beta` headers are accepted and not read.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+
+from gateway.deps import EpisodeRefDep, RunDep, check_request
+from gateway.identifiers import header_value
+from gateway.protocol_messages import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
+from gateway.services.messages import MessagesService
+from gateway.sse import event_stream, sse_events
+
+router = APIRouter()
+
+
+def messages_service(request: Request) -> MessagesService:
+    return MessagesService(request.app.state.chat)
+
+
+ServiceDep = Annotated[MessagesService, Depends(messages_service)]
+
+
+@router.post("/v1/messages", response_model=MessageResponse)
+async def create_message(
+    body: MessagesRequest,
+    run: RunDep,
+    service: ServiceDep,
+    ref: EpisodeRefDep,
+    response: Response,
+) -> MessageResponse | StreamingResponse:
+    check_request(run, body, "messages")
+    if body.stream:
+        stream = await service.start_stream(run, body, ref)
+        return event_stream(sse_events(stream.events()), stream.episode_id)
+    resp = await service.create(run, body, ref)
+    if resp.episode_id is not None:
+        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
+    return resp
+
+
+@router.post("/v1/messages/count_tokens", response_model=TokenCount)
+async def count_tokens(body: CountTokensRequest, run: RunDep, service: ServiceDep) -> TokenCount:
+    check_request(run, body, "count_tokens")
+    return await service.count_tokens(run, body)
