@@ -93,6 +93,21 @@ class FunctionCallOutputItem(OpenAIModel):
         return _joined(self.output)
 
 
+class ReasoningItem(OpenAIModel):
+    """An earlier response's reasoning, echoed back (the Agents SDK does so every turn).
+
+    Accepted and not rendered: an answer rlgate sampled is rendered from its
+    sampled text, thinking included, whatever the client sends with it.
+    """
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -113,12 +128,13 @@ def _joined(value: str | list[dict[str, Any]]) -> str:
     return "".join(part.get("text", "") for part in value)
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 ITEM_TYPES: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 
 
@@ -162,7 +178,28 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A run's `<think>` text, as the openai SDK's `ResponseReasoningItem` parses it.
+
+    The thinking is the model's own text, not a summary of it, so it is one
+    `reasoning_text` part in `content` and `summary` is empty (as vLLM serves
+    open models' reasoning); streamed as `response.reasoning_text.delta` and
+    `.done` events.
+    """
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):

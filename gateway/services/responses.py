@@ -4,15 +4,19 @@ A request becomes a `ChatCompletionRequest`: `instructions` is a leading
 system message, then the stored items of `previous_response_id` (its whole
 conversation), then this request's input items. Messages map to messages; a
 `function_call` item becomes (or joins) an assistant message's `tool_calls`;
-a `function_call_output` item becomes a `role: tool` message. The chat
-service renders, samples and stores the completion exactly as for a chat
-call, so placement, prefix matching and splicing work unchanged: a follow-up
-that repeats the same instructions continues the first response's episode
-token-exactly. As in OpenAI's API, `instructions` are not carried over by
-`previous_response_id`.
+a `function_call_output` item becomes a `role: tool` message; a `reasoning`
+item is accepted and left out (the answer it came with is rendered from the
+text rlgate sampled, thinking included). The chat service renders, samples
+and stores the completion exactly as for a chat call, so placement, prefix
+matching and splicing work unchanged: a follow-up that repeats the same
+instructions continues the first response's episode token-exactly. As in
+OpenAI's API, `instructions` are not carried over by `previous_response_id`.
 
 Streaming drives `ChatStream` and turns its chunks into Responses events;
-the completion is stored before `response.completed` is sent.
+the completion is stored before `response.completed` is sent. A run that
+parses reasoning answers a `reasoning` item (`OutputReasoning`) before its
+message, streamed as `response.reasoning_text.delta` events, and counts its
+thinking in `usage.output_tokens_details.reasoning_tokens`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import APIError, InvalidRequest, NotFound
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, Usage
 from gateway.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -39,14 +43,17 @@ from gateway.protocol_responses import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    OutputTokensDetails,
+    ReasoningText,
     ResponseError,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
     parse_item,
 )
-from gateway.services.completions import ChatService
+from gateway.services.completions import ChatService, chat_usage
 from gateway.services.episodes import EpisodeRef
 from gateway.services.streaming import ChatStream
 from gateway.store.models import Completion, Run
@@ -83,11 +90,7 @@ class ResponsesService:
             new_id("resp_"),
             output=output_items(choice.message, incomplete),
             incomplete=incomplete,
-            usage=ResponseUsage(
-                input_tokens=completion.usage.prompt_tokens,
-                output_tokens=completion.usage.completion_tokens,
-                total_tokens=completion.usage.total_tokens,
-            ),
+            usage=response_usage(completion.usage),
             episode_id=completion.episode_id,
             policy_version=completion.policy_version,
             completion_id=choice.completion_id or completion.id,
@@ -158,7 +161,7 @@ class ResponsesService:
             err = exc.errors()[0]
             loc = [str(p) for p in err.get("loc", ())]
             param = CHAT_TO_RESPONSES_PARAM.get(loc[0], loc[0]) if loc else None
-            msg = "input: at least one item is needed" if param == "input" else err.get("msg")
+            msg = "at least one item is needed" if param == "input" else err.get("msg")
             raise InvalidRequest(f"{param}: {msg}", param=param, code="invalid_value") from exc
         stored = [*history, *(item.model_dump(exclude_none=True) for item in items[len(history) :])]
         return Conversation(stored, chat)
@@ -200,6 +203,7 @@ class ResponseStream:
         self.id = new_id("resp_")
         self.seq = 0
         self.output: list[OutputItem] = []
+        self.reasoning: OutputReasoning | None = None  # the thinking being streamed
         self.message: OutputMessage | None = None  # the text item being streamed
         self.calls: dict[int, OutputFunctionCall] = {}  # tool calls being streamed, by index
 
@@ -236,6 +240,9 @@ class ResponseStream:
                     continue
                 choice = chunk["choices"][0]
                 delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    for e in self.reasoning_delta(delta["reasoning_content"]):
+                        yield e
                 if delta.get("content"):
                     for e in self.text_delta(delta["content"]):
                         yield e
@@ -251,20 +258,19 @@ class ResponseStream:
         finally:
             await chunks.aclose()
         incomplete = finish == "length"
-        if self.message is None and not self.calls:
-            for e in self.text_delta(""):
+        if self.message is None and not self.calls:  # no answer: a cut hit the thinking
+            for e in [*self.close_items(incomplete), *self.text_delta("")]:
                 yield e
         for e in self.close_items(incomplete):
             yield e
         row = await self.service.completion(self.chat.id)
         assert row is not None, "the chat stream stores its completion before it finishes"
-        n_in, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
         resp = response_object(
             self.req,
             self.id,
             output=self.output,
             incomplete=incomplete,
-            usage=ResponseUsage(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
+            usage=response_usage(chat_usage([row], self.chat.prep.serving.template.decode)),
             episode_id=row.episode_id,
             policy_version=row.policy_version,
             completion_id=row.id,
@@ -273,9 +279,44 @@ class ResponseStream:
         kind = "response.incomplete" if incomplete else "response.completed"
         yield self.event(kind, response=resp.model_dump(mode="json"))
 
+    def reasoning_delta(self, piece: str) -> list[dict[str, Any]]:
+        """A chat `reasoning_content` delta: opens the reasoning item, then streams its text."""
+        events = []
+        if self.reasoning is None:
+            self.reasoning = OutputReasoning(id=new_id("rs_"), status="in_progress", content=[])
+            self.output.append(self.reasoning)
+            index = len(self.output) - 1
+            events.append(
+                self.event(
+                    "response.output_item.added", output_index=index, item=_dump(self.reasoning)
+                )
+            )
+            self.reasoning.content.append(ReasoningText(text=""))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.reasoning.id,
+                    output_index=index,
+                    content_index=0,
+                    part=ReasoningText(text="").model_dump(),
+                )
+            )
+        self.reasoning.content[0].text += piece
+        events.append(
+            self.event(
+                "response.reasoning_text.delta",
+                item_id=self.reasoning.id,
+                output_index=self.output.index(self.reasoning),
+                content_index=0,
+                delta=piece,
+            )
+        )
+        return events
+
     def text_delta(self, piece: str) -> list[dict[str, Any]]:
         events = []
         if self.message is None:
+            events += self.close_reasoning()
             self.message = OutputMessage(id=new_id("msg_"), status="in_progress", content=[])
             self.output.append(self.message)
             index = len(self.output) - 1
@@ -315,6 +356,7 @@ class ResponseStream:
         fn = delta.get("function") or {}
         call = self.calls.get(index)
         if call is None:
+            events += self.close_reasoning()
             call = OutputFunctionCall(
                 id=new_id("fc_"),
                 call_id=delta.get("id") or new_id("call_"),
@@ -348,30 +390,54 @@ class ResponseStream:
     def close_items(self, incomplete: bool) -> list[dict[str, Any]]:
         events = []
         for index, item in enumerate(self.output):
-            if isinstance(item, OutputMessage):
-                part = item.content[0]
-                # Both events name the same content part: the message's one output_text.
-                where = {"item_id": item.id, "output_index": index, "content_index": 0}
-                events.append(
-                    self.event("response.output_text.done", **where, text=part.text, logprobs=[])
+            if item.status == "in_progress":
+                events += self.close_item(index, incomplete)
+        return events
+
+    def close_reasoning(self) -> list[dict[str, Any]]:
+        """The thinking ended where an answer item begins: its item is done before that one."""
+        if self.reasoning is None or self.reasoning.status != "in_progress":
+            return []
+        return self.close_item(self.output.index(self.reasoning), incomplete=False)
+
+    def close_item(self, index: int, incomplete: bool) -> list[dict[str, Any]]:
+        item = self.output[index]
+        where = {"item_id": item.id, "output_index": index}
+        if isinstance(item, OutputReasoning):
+            part = item.content[0]
+            events = [
+                self.event(
+                    "response.reasoning_text.done", **where, content_index=0, text=part.text
+                ),
+                self.event(
+                    "response.content_part.done", **where, content_index=0, part=part.model_dump()
+                ),
+            ]
+            item.status = "incomplete" if incomplete else "completed"
+        elif isinstance(item, OutputMessage):
+            part = item.content[0]
+            # Both events name the same content part: the message's one output_text.
+            events = [
+                self.event(
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=[],
+                ),
+                self.event(
+                    "response.content_part.done", **where, content_index=0, part=part.model_dump()
+                ),
+            ]
+            item.status = "incomplete" if incomplete else "completed"
+        else:
+            events = [
+                self.event(
+                    "response.function_call_arguments.done", **where, arguments=item.arguments
                 )
-                events.append(
-                    self.event("response.content_part.done", **where, part=part.model_dump())
-                )
-                item.status = "incomplete" if incomplete else "completed"
-            else:
-                events.append(
-                    self.event(
-                        "response.function_call_arguments.done",
-                        item_id=item.id,
-                        output_index=index,
-                        arguments=item.arguments,
-                    )
-                )
-                item.status = "completed"
-            events.append(
-                self.event("response.output_item.done", output_index=index, item=_dump(item))
-            )
+            ]
+            item.status = "completed"
+        events.append(self.event("response.output_item.done", output_index=index, item=_dump(item)))
         return events
 
 
@@ -443,9 +509,20 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 
 def output_items(message: Any, incomplete: bool) -> list[OutputItem]:
-    """A chat completion's message as output items: its text, then one item per tool call."""
+    """A chat completion's message as output items: its reasoning, if any (a streamed
+    response has that item only when there was some to stream), its text, then one item
+    per tool call."""
     calls = [_as_dict(c) for c in getattr(message, "tool_calls", None) or []]
     items: list[OutputItem] = []
+    if getattr(message, "reasoning_content", None):
+        cut = incomplete and not (message.content or calls)  # max_output_tokens hit the thinking
+        items.append(
+            OutputReasoning(
+                id=new_id("rs_"),
+                status="incomplete" if cut else "completed",
+                content=[ReasoningText(text=message.reasoning_content)],
+            )
+        )
     if message.content or not calls:
         items.append(
             OutputMessage(
@@ -466,6 +543,19 @@ def output_items(message: Any, incomplete: bool) -> list[OutputItem]:
             )
         )
     return items
+
+
+def response_usage(chat: Usage) -> ResponseUsage:
+    """A chat completion's usage in Responses names."""
+    details = chat.completion_tokens_details
+    return ResponseUsage(
+        input_tokens=chat.prompt_tokens,
+        output_tokens=chat.completion_tokens,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=details.reasoning_tokens if details else 0
+        ),
+        total_tokens=chat.total_tokens,
+    )
 
 
 def response_object(

@@ -287,7 +287,8 @@ def test_path_scoped_episode(gateway_server, run):
     ("fields", "param"),
     [
         ({"input": []}, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # accepted, not rendered
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0]"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0]"),
         ({"input": [{"type": "function_call", "name": "add"}]}, "input[0]"),
