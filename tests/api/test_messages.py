@@ -20,7 +20,7 @@ import pytest
 from langchain_anthropic import ChatAnthropic
 
 from inference.chat_template import ChatTemplate
-from tests.forced_tokens import FIRST, scripted_model
+from tests.forced_tokens import ANSWER, FIRST, REASONING, scripted_model, thinking_model
 
 pytestmark = pytest.mark.integration
 
@@ -358,3 +358,65 @@ def test_langchain_bind_tools(gateway_server, tool_run) -> None:
     assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("add", {"a": 1, "b": 2})]
     row = stored(gateway_server, reply.response_metadata["id"])
     assert json.loads(row["tool_calls"])[0]["function"]["name"] == "add"
+
+
+# --- thinking ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["tagged", "opened"])
+def thinker(request, gateway_server, tiny_model_dir: Path, tmp_path_factory) -> dict:
+    """A thinking copy of `tiny` (tests/forced_tokens.py) behind a run that does NOT parse
+    reasoning: the Messages request's `thinking` turns the split on."""
+    kind = request.param
+    model, _ = thinking_model(tiny_model_dir, tmp_path_factory.mktemp(kind) / "model", kind)
+    return new_run(gateway_server, f"messages-think-{kind}", str(model))
+
+
+THINK = {"type": "enabled", "budget_tokens": 1024}
+
+
+def test_thinking_comes_back_as_a_thinking_block(gateway_server, thinker) -> None:
+    c = client(gateway_server, thinker)
+    msg = c.messages.create(model=thinker["name"], max_tokens=16, messages=USER, thinking=THINK)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert (msg.content[0].thinking, msg.content[1].text) == (REASONING, ANSWER)
+    assert msg.content[0].signature == msg.id
+    row = stored(gateway_server, msg.id)
+    assert row["reasoning_content"] == REASONING and row["content"] == ANSWER
+    # every sampled id is stored and counted, thinking included
+    assert msg.usage.output_tokens == len(row["output_token_ids"])
+    # without `thinking` (and a run that does not parse reasoning) the text is as sampled
+    plain = c.messages.create(model=thinker["name"], max_tokens=16, messages=USER)
+    assert [b.type for b in plain.content] == ["text"] and REASONING in plain.content[0].text
+
+
+def test_thinking_streams_as_thinking_deltas(gateway_server, thinker) -> None:
+    with client(gateway_server, thinker).messages.stream(
+        model=thinker["name"], max_tokens=16, messages=USER, thinking=THINK
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    kinds = [d.type for d in deltas]
+    assert kinds.index("signature_delta") < kinds.index("text_delta")
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == REASONING
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == ANSWER
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].signature == final.id
+
+
+def test_thinking_sent_back_splices(gateway_server, thinker) -> None:
+    """Anthropic's tool use needs thinking blocks sent back; they must not cause drift."""
+    c = client(gateway_server, thinker)
+    first = c.messages.create(model=thinker["name"], max_tokens=16, messages=USER, thinking=THINK)
+    history = [
+        *USER,
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": "and?"},
+    ]
+    second = c.messages.create(
+        model=thinker["name"], max_tokens=16, messages=history, thinking=THINK
+    )
+    row1, row2 = stored(gateway_server, first.id), stored(gateway_server, second.id)
+    assert row2["parent_id"] == first.id and (row2["spliced"], row2["drift"]) == (1, 0)
+    seen = row1["prompt_token_ids"] + row1["output_token_ids"]
+    assert row2["prompt_token_ids"][: len(seen)] == seen

@@ -20,55 +20,24 @@ import httpx
 import openai
 import pytest
 
-from inference.chat_template import ChatTemplate
-from tests.forced_tokens import FIRST, assert_spliced, scripted_model
+from tests.forced_tokens import (
+    ANSWER,
+    FIRST,
+    REASONING,
+    SCRIPTS,
+    assert_spliced,
+    thinking_model,
+)
 
 if TYPE_CHECKING:
     from tests.conftest import GatewayServer
 
 pytestmark = pytest.mark.integration
 
-REASONING, ANSWER = "one plus two", "It is 3"
-# Qwen3's generation prompt; unlike Qwen3, earlier thinking stays in the history, so the
-# next turn can continue the sampled ids (a template that strips it drifts by design).
-OPENED_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' and '</think>' in message['content'] %}"
-    "{{ '<|im_start|>assistant\\n<think>\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
-)
 ADD_TOOL = {
     "type": "function",
     "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
 }
-# What each model samples (its stop token follows), and how many of those ids think.
-SCRIPTS = {
-    "tagged": (f"<think>{REASONING}</think> {ANSWER}", 7),
-    "opened": (f"{REASONING}</think> {ANSWER}", 6),
-}
-
-
-def thinking_model(tiny_dir: Path, out: Path, kind: str) -> tuple[Path, list[int]]:
-    """A copy of `tiny` with think tokens that answers `SCRIPTS[kind]`; its dir and script."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = out.with_name(out.name + "-base")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    template_text = (tiny_dir / "chat_template.jinja").read_text()
-    (base / "chat_template.jinja").write_text(
-        OPENED_TEMPLATE if kind == "opened" else template_text
-    )
-    template = ChatTemplate(base)
-    script = template.encode(SCRIPTS[kind][0])
-    return scripted_model(base, out, template.render(FIRST)[-1], script), script
 
 
 @pytest.fixture(scope="module", params=["tagged", "opened"])

@@ -54,6 +54,8 @@ def test_curl_example(env, gateway_server) -> None:
     ("script", "episode", "answered"),
     [
         ("langchain_agent.py", "lc-1", "streamed:"),
+        ("anthropic_sdk.py", "claude-1", "streamed:"),
+        ("langchain_anthropic_agent.py", "lca-1", "streamed:"),
         # The Agents SDK example prints this only when the run completed. It catches
         # MaxTurnsExceeded for its readers (an untrained model may loop on tools); here that
         # fails the test. The tiny model ends a turn with no text about once in 400 answers,
@@ -76,3 +78,9 @@ def test_framework_examples(env, gateway_server, script: str, episode: str, answ
         "SELECT COUNT(*) FROM completions WHERE episode_id = ?", (episode,)
     )
     assert calls[0][0] >= 1
+    if script == "anthropic_sdk.py":  # its second turn echoes the first answer's blocks
+        turns = gateway_server.query(
+            "SELECT spliced, drift FROM completions WHERE episode_id = ? ORDER BY created_at",
+            (episode,),
+        )
+        assert turns == [(0, 0), (1, 0)], turns
