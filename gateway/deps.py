@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Protocol
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from gateway.dashboard.auth import LoginRequired, Session, current_session, require_session
 from gateway.errors import AuthenticationFailed, NotFound
@@ -104,6 +104,8 @@ def dashboard_page(request: Request) -> Session:
 
 
 RunDep = Annotated[Run, Depends(current_run)]
+# Key ids are 32-bit integers in the store: a larger one is a 400, not a database error.
+KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 AdminDep = Depends(require_admin)
 EpisodeRefDep = Annotated[EpisodeRef, Depends(episode_ref)]
 AgentBaseUrlDep = Annotated[str, Depends(agent_base_url)]

@@ -567,3 +567,16 @@ def test_unknown_fields_are_accepted(http: httpx.Client, run: dict) -> None:
     out = _chat(http, run, parallel_tool_calls=False, service_tier="auto", store=True, stop=["x"])
     assert out["object"] == "chat.completion"
     assert math.isfinite(out["usage"]["total_tokens"])
+
+
+@pytest.mark.parametrize(
+    ("method", "action"), [("POST", "revoke"), ("POST", "rotate"), ("PUT", "limits")]
+)
+def test_a_key_id_past_32_bits_is_400_not_500(
+    gateway_server: GatewayServer, run, method: str, action: str
+) -> None:
+    """Found by the schema fuzzer: the id reached the database and overflowed its column."""
+    url = f"{gateway_server.url}/admin/v1/runs/{run['run_id']}/keys/80063312531970064384/{action}"
+    resp = httpx.request(method, url, headers=gateway_server.admin_headers(), json={}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "key_id"

@@ -33,7 +33,8 @@ def _operations(target) -> list:
 
 def test_schema_lists_the_public_api(target) -> None:
     paths = {op.path for op in _operations(target)}
-    assert {"/v1/chat/completions", "/v1/rewards", "/v1/models", "/admin/v1/runs"} <= paths
+    public = {"/v1/chat/completions", "/v1/rewards", "/v1/models", "/admin/v1/runs"}
+    assert public | {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses"} <= paths
 
 
 def _fuzz(op, http: httpx.Client, key: str, failures: list[str], sent: list[int]) -> None:
@@ -41,7 +42,7 @@ def _fuzz(op, http: httpx.Client, key: str, failures: list[str], sent: list[int]
     @given(case=op.as_strategy())
     def check(case) -> None:
         body = None if isinstance(case.body, NotSet) else case.body
-        short = isinstance(body, dict) and op.path.endswith("/completions")
+        short = isinstance(body, dict) and op.path.endswith(("/completions", "/messages"))
         if short and (not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 16):
             body["max_tokens"] = 4  # keep generation short; long outputs are other tests' business
         request = http.build_request(
