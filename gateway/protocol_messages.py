@@ -19,7 +19,8 @@ from gateway.protocol import OpenAIModel, finite_or_none
 
 
 class MessageParam(OpenAIModel):
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: Claude Code sends one (its environment) after the user turn.
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -2,7 +2,8 @@
 
 A request becomes a `ChatCompletionRequest`:
 
-* `system` (a string or text blocks) is a leading system message;
+* `system` (a string or text blocks) is a leading system message, and a
+  `role: system` turn (Claude Code sends one mid-conversation) a system message;
 * a user turn's text blocks are one user message, and each `tool_result`
   block a `role: tool` message (before the text, as Anthropic orders them);
 * an assistant turn's text blocks are its content and its `tool_use` blocks
@@ -122,6 +123,8 @@ def chat_request(req: CountTokensRequest, max_tokens: int) -> ChatCompletionRequ
         where = f"messages[{i}].content"
         if m.role == "user":
             messages.extend(_user_turn(blocks, where))
+        elif m.role == "system":
+            messages.append({"role": "system", "content": _text_of(blocks, where)})
         else:
             messages.append(_assistant_turn(blocks, where))
     body: dict[str, Any] = {
