@@ -56,11 +56,13 @@ class GatewayServer:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"}
 
-    def create_run(self, name: str = "test-run", config: dict[str, Any] | None = None) -> dict:
-        """POST /admin/v1/runs for the tiny model; returns the JSON (run_id, api_key, base_url)."""
+    def create_run(
+        self, name: str = "test-run", config: dict[str, Any] | None = None, model: str = "tiny"
+    ) -> dict:
+        """POST /admin/v1/runs (`tiny` unless told); the JSON (run_id, api_key, base_url)."""
         resp = httpx.post(
             self.url + "/admin/v1/runs",
-            json={"name": name, "model": "tiny", "config": config or {}},
+            json={"name": name, "model": model, "config": config or {}},
             headers=self.admin_headers(),
             timeout=60,
         )

@@ -38,14 +38,7 @@ def answering_model(tiny_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def run(gateway_server, tiny_model_dir: Path, tmp_path_factory) -> dict:
     model = answering_model(tiny_model_dir, tmp_path_factory.mktemp("claude-model") / "model")
-    resp = httpx.post(
-        gateway_server.url + "/admin/v1/runs",
-        json={"name": "claude-agent", "model": str(model), "config": {}},
-        headers=gateway_server.admin_headers(),
-        timeout=60,
-    )
-    assert resp.status_code == 201, resp.text
-    return resp.json()
+    return gateway_server.create_run("claude-agent", model=str(model))
 
 
 def test_the_example_gets_the_answer_the_gateway_stored(gateway_server, run) -> None:

@@ -52,26 +52,15 @@ def tool_model(tiny_dir: Path, out: Path) -> Path:
     return scripted_model(wide, out, after, [tok.convert_tokens_to_ids(CALL)])
 
 
-def new_run(gateway_server, name: str, model: str = "tiny") -> dict:
-    resp = httpx.post(
-        gateway_server.url + "/admin/v1/runs",
-        json={"name": name, "model": model, "config": {}},
-        headers=gateway_server.admin_headers(),
-        timeout=60,
-    )
-    assert resp.status_code == 201, resp.text
-    return resp.json()
-
-
 @pytest.fixture(scope="module")
 def run(gateway_server) -> dict:
-    return new_run(gateway_server, "messages")
+    return gateway_server.create_run("messages")
 
 
 @pytest.fixture(scope="module")
 def tool_run(gateway_server, tiny_model_dir: Path, tmp_path_factory) -> dict:
     model = tool_model(tiny_model_dir, tmp_path_factory.mktemp("tool-model") / "model")
-    return new_run(gateway_server, "messages-tools", str(model))
+    return gateway_server.create_run("messages-tools", model=str(model))
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +358,7 @@ def thinker(request, gateway_server, tiny_model_dir: Path, tmp_path_factory) -> 
     reasoning: the Messages request's `thinking` turns the split on."""
     kind = request.param
     model, _ = thinking_model(tiny_model_dir, tmp_path_factory.mktemp(kind) / "model", kind)
-    return new_run(gateway_server, f"messages-think-{kind}", str(model))
+    return gateway_server.create_run(f"messages-think-{kind}", model=str(model))
 
 
 THINK = {"type": "enabled", "budget_tokens": 1024}

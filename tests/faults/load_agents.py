@@ -122,11 +122,12 @@ def warm_up(run: dict) -> None:
 
 
 def start_stub(
-    port: int, latency_ms: int = 20, tokens: int = 8, token_latency_ms: int = 0
+    port: int, latency_ms: int = 20, tokens: int = 8, token_latency_ms: int = 0, *extra: str
 ) -> subprocess.Popen:
-    """The stand-in vLLM server (`inference.stub_server`) on `port`, once it answers."""
+    """The stand-in vLLM server (`inference.stub_server`) on `port`, once it answers;
+    `extra` are more of its options."""
     cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm", "--port", str(port)]
-    cmd += ["--token-latency-ms", str(token_latency_ms)]
+    cmd += ["--token-latency-ms", str(token_latency_ms), *extra]
     proc = subprocess.Popen(
         [*cmd, "--latency-ms", str(latency_ms), "--output-tokens", str(tokens)],
         stdout=subprocess.DEVNULL,

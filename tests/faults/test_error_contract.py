@@ -18,8 +18,6 @@ The body is OpenAI's `{"error": {...}}`, and Anthropic's `{"type": "error",
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -87,7 +85,7 @@ def contract(tmp_path_factory, model_cache_dir: Path, tiny_model_dir: Path) -> I
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     busy_port, dead_port = free_port(), free_port()
-    busy = _stub(busy_port, "--max-running", "0")
+    busy = start_stub(busy_port, 20, 8, 0, "--max-running", "0")
     dead = start_stub(dead_port)
     proxy = TcpProxy("127.0.0.1", 5432, free_port()).start()
     gw = Gateway(
@@ -118,20 +116,6 @@ def contract(tmp_path_factory, model_cache_dir: Path, tiny_model_dir: Path) -> I
             stop(proc)
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _stub(port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the stub server did not start")
 
 
 def _check(resp: httpx.Response, condition: str, endpoint: str) -> None:
