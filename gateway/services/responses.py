@@ -279,28 +279,27 @@ class ResponseStream:
         kind = "response.incomplete" if incomplete else "response.completed"
         yield self.event(kind, response=resp.model_dump(mode="json"))
 
+    def open_item(self, item: Any, part: Any) -> list[dict[str, Any]]:
+        """Append `item` with its first, empty content `part`: the two events that announce it."""
+        self.output.append(item)
+        index = len(self.output) - 1
+        added = self.event("response.output_item.added", output_index=index, item=_dump(item))
+        item.content.append(part)
+        part_added = self.event(
+            "response.content_part.added",
+            item_id=item.id,
+            output_index=index,
+            content_index=0,
+            part=part.model_dump(),
+        )
+        return [added, part_added]
+
     def reasoning_delta(self, piece: str) -> list[dict[str, Any]]:
         """A chat `reasoning_content` delta: opens the reasoning item, then streams its text."""
         events = []
         if self.reasoning is None:
             self.reasoning = OutputReasoning(id=new_id("rs_"), status="in_progress", content=[])
-            self.output.append(self.reasoning)
-            index = len(self.output) - 1
-            events.append(
-                self.event(
-                    "response.output_item.added", output_index=index, item=_dump(self.reasoning)
-                )
-            )
-            self.reasoning.content.append(ReasoningText(text=""))
-            events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=self.reasoning.id,
-                    output_index=index,
-                    content_index=0,
-                    part=ReasoningText(text="").model_dump(),
-                )
-            )
+            events += self.open_item(self.reasoning, ReasoningText(text=""))
         self.reasoning.content[0].text += piece
         events.append(
             self.event(
@@ -318,23 +317,7 @@ class ResponseStream:
         if self.message is None:
             events += self.close_reasoning()
             self.message = OutputMessage(id=new_id("msg_"), status="in_progress", content=[])
-            self.output.append(self.message)
-            index = len(self.output) - 1
-            events.append(
-                self.event(
-                    "response.output_item.added", output_index=index, item=_dump(self.message)
-                )
-            )
-            self.message.content.append(OutputText(text=""))
-            events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=self.message.id,
-                    output_index=index,
-                    content_index=0,
-                    part=OutputText(text="").model_dump(),
-                )
-            )
+            events += self.open_item(self.message, OutputText(text=""))
         if piece:
             self.message.content[0].text += piece
             events.append(
