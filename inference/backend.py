@@ -76,3 +76,30 @@ class Backend(Protocol):
     async def close(self) -> None:
         """Release threads, connections and memory."""
         ...
+
+
+@runtime_checkable
+class AdapterBackend(Backend, Protocol):
+    """A backend that serves many LoRA adapters on one shared base model.
+
+    A request names its adapter in `GenerateRequest.adapter`; its result's
+    `policy_version` is that adapter's version. Swapping one adapter follows
+    the same ordering contract as `load_weights` and leaves every other adapter
+    and the base weights untouched.
+    """
+
+    def adapter_version(self, name: str) -> int | None:
+        """The version of adapter `name` now served, or None when it is not loaded."""
+        ...
+
+    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+        """Load (or replace in place) adapter `name` from a PEFT adapter directory.
+
+        The directory holds `adapter_config.json` and `adapter_model.safetensors`.
+        Requests already generating with the old adapter finish on it.
+        """
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` and free its memory; later requests naming it fail."""
+        ...

@@ -55,6 +55,9 @@ class GenerateRequest:
     # Routing hint for several replicas (the episode id): calls that share it go to the same
     # replica while that stays healthy and not much busier, so its prefix cache is reused.
     affinity: str | None = None
+    # The LoRA adapter to sample with (a name the backend loaded with `load_adapter`, the
+    # run id for rlgate's LoRA runs); None samples the base model's own weights.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
