@@ -31,6 +31,41 @@ class ParallelConfig(BaseModel):
     )
 
 
+class TrackingConfig(BaseModel):
+    """Which experiment trackers a run's step metrics also go to (see docs/tracking.md).
+
+    Each `None` defers to the worker's settings (`RLGATE_METRICS_WANDB_PROJECT`,
+    `RLGATE_METRICS_MLFLOW_EXPERIMENT`); a project or experiment name alone turns
+    its tracker on for this run.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb: bool | None = Field(None, description="log to W&B; None: as the worker is set")
+    wandb_project: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^/\\#?%:]+$",
+        description="W&B project; None: the worker's, else 'rlgate'",
+    )
+    mlflow: bool | None = Field(None, description="log to MLflow; None: as the worker is set")
+    mlflow_experiment: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="MLflow experiment name; None: the worker's, else 'rlgate'",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrackingConfig:
+        if self.wandb is False and self.wandb_project is not None:
+            raise ValueError("wandb_project is set but wandb is false: drop one of them")
+        if self.mlflow is False and self.mlflow_experiment is not None:
+            raise ValueError("mlflow_experiment is set but mlflow is false: drop one of them")
+        return self
+
+
 class RunConfig(BaseModel):
     """Per-run knobs, stored with the run and read by the scheduler and the trainer."""
 
@@ -119,6 +154,8 @@ class RunConfig(BaseModel):
         1, ge=1, description="torchrun ranks per step (engine='fsdp' or 'megatron')"
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    # --- where step metrics also go (trainer.metrics_sinks); None fields defer to the worker
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     seed: int = 0
 
     @model_validator(mode="after")
