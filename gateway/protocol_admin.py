@@ -71,6 +71,8 @@ class EpisodeSummary(BaseModel):
     turns: int
     versions: list[int]
     created_at: str
+    sampled_tokens: int = 0  # over all turns
+    drift: bool = False  # some turn's prompt drifted from the chat template's rendering
 
 
 class EpisodePage(BaseModel):
@@ -108,6 +110,36 @@ class CompletionDetail(BaseModel):
 
 class EpisodeDetail(EpisodeSummary):
     completions: list[CompletionDetail]
+
+
+class TurnAdvantage(BaseModel):
+    """One turn of a group member: what it sampled and the advantage its tokens get."""
+
+    completion_id: str
+    policy_version: int
+    content: str
+    output_tokens: int
+    finish_reason: str
+    reward: float | None  # a per-turn reward post, if any
+    turn_return: float | None  # G_c under the run's reward_policy; None: not trained toward
+    advantage: float | None  # None: no reward yet, or the turn is not trained toward anything
+
+
+class GroupMember(EpisodeSummary):
+    episode_return: float | None  # the number the group normalises; None without a reward
+    advantage: float | None  # the episode's own return, normalised within its peers
+    peers: int  # returns normalised together: members in the same train step (or all pending)
+    turns_detail: list[TurnAdvantage]
+
+
+class GroupDetail(BaseModel):
+    """A group's episodes side by side with the advantages the trainer computes for them."""
+
+    run_id: str
+    group_id: str
+    advantage_estimator: str
+    reward_policy: str
+    episodes: list[GroupMember]
 
 
 class MetricPoint(BaseModel):

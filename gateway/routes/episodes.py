@@ -1,4 +1,4 @@
-"""Admin API: a run's episodes, filtered, and one episode down to its tokens."""
+"""Admin API: a run's episodes, filtered, one episode down to its tokens, and a group."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from gateway.deps import AdminDep
-from gateway.protocol_admin import EpisodeDetail, EpisodePage
+from gateway.protocol_admin import EpisodeDetail, EpisodePage, GroupDetail
 from gateway.store.status import EpisodeStatus
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
@@ -23,8 +23,13 @@ async def list_episodes(
     version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     after: Annotated[str | None, Query(max_length=100)] = None,
+    group_id: Annotated[str | None, Query(min_length=1, max_length=100)] = None,
+    length_min: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    length_max: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    drift: Annotated[bool | None, Query()] = None,
 ) -> EpisodePage:
-    """Newest first. `version`: episodes with a turn sampled by that policy version."""
+    """Newest first. `version`: episodes with a turn sampled by that policy version;
+    `length_*`: tokens sampled over all turns; `drift`: a turn had template drift (or none)."""
     return await request.app.state.episode_admin.list(
         run_id,
         status=status,
@@ -33,7 +38,17 @@ async def list_episodes(
         version=version,
         limit=limit,
         after=after,
+        group_id=group_id,
+        length_min=length_min,
+        length_max=length_max,
+        drift=drift,
     )
+
+
+@router.get("/runs/{run_id}/groups/{group_id}", response_model=GroupDetail)
+async def get_group(run_id: str, group_id: str, request: Request) -> GroupDetail:
+    """A group's episodes, oldest first, each turn with its return and advantage."""
+    return await request.app.state.episode_admin.group(run_id, group_id)
 
 
 @router.get("/runs/{run_id}/episodes/{episode_id}", response_model=EpisodeDetail)

@@ -10,6 +10,7 @@ token counts as trained once its episode reached status "trained".
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,15 @@ from gateway.protocol_admin import (
     EpisodeDetail,
     EpisodePage,
     EpisodeSummary,
+    GroupDetail,
     TokenView,
 )
+from gateway.services import group_advantages
 from gateway.store.completions import episode_completions, turn_stats
-from gateway.store.episodes import episode_page
+from gateway.store.episodes import episode_page, episode_reward_posts, episode_shapes, group_members
 from gateway.store.models import Completion, Episode, Run, as_utc
 from gateway.store.status import EpisodeStatus
+from trainer.config import RunConfig
 
 
 class TokenDecoder:
@@ -66,10 +70,20 @@ class EpisodeAdmin:
         version: int | None = None,
         limit: int = 50,
         after: str | None = None,
+        group_id: str | None = None,
+        length_min: int | None = None,
+        length_max: int | None = None,
+        drift: bool | None = None,
     ) -> EpisodePage:
-        """Newest first; `after` is the last episode id of the previous page."""
+        """Newest first; `after` is the last episode id of the previous page.
+
+        `length_min`/`length_max` bound the tokens sampled over all turns; `drift`
+        keeps the episodes with (True) or without (False) a template-drift turn.
+        """
         if reward_min is not None and reward_max is not None and reward_min > reward_max:
             raise InvalidRequest("reward_min is above reward_max", param="reward_min")
+        if length_min is not None and length_max is not None and length_min > length_max:
+            raise InvalidRequest("length_min is above length_max", param="length_min")
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
@@ -88,12 +102,39 @@ class EpisodeAdmin:
                 reward_min=reward_min,
                 reward_max=reward_max,
                 sampled_by=version,
+                group_id=group_id,
+                min_tokens=length_min,
+                max_tokens=length_max,
+                drift=drift,
             )
             more = len(episodes) > limit
-            episodes = episodes[:limit]
-            stats = await turn_stats(s, run_id, [e.id for e in episodes])
-        return EpisodePage(
-            data=[_summary(e, *stats.get(e.id, (0, []))) for e in episodes], has_more=more
+            summaries = await _summaries(s, run_id, episodes[:limit])
+        return EpisodePage(data=list(summaries.values()), has_more=more)
+
+    async def group(self, run_id: str, group_id: str) -> GroupDetail:
+        """The group's episodes, oldest first, with returns and advantages per turn."""
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"no run {run_id!r}", param="run_id")
+            members = await group_members(s, run_id, group_id)
+            if not members:
+                raise NotFound(f"no group {group_id!r} in run {run_id!r}", param="group_id")
+            ids = [e.id for e in members]
+            summaries = await _summaries(s, run_id, members)
+            turns: dict[str, list[Completion]] = defaultdict(list)
+            for c in await episode_completions(s, run_id, ids):
+                turns[c.episode_id].append(c)
+            posts = await episode_reward_posts(s, run_id, ids)
+        cfg = RunConfig.model_validate(run.config)
+        return GroupDetail(
+            run_id=run_id,
+            group_id=group_id,
+            advantage_estimator=cfg.advantage_estimator,
+            reward_policy=cfg.reward_policy,
+            episodes=await asyncio.to_thread(
+                group_advantages.group_members, cfg, members, summaries, turns, posts
+            ),
         )
 
     async def detail(self, run_id: str, episode_id: str) -> EpisodeDetail:
@@ -111,12 +152,28 @@ class EpisodeAdmin:
             lambda: [_completion(tokenizer, c, trained) for c in completions]
         )
         versions = sorted({c.policy_version for c in completions})
-        return EpisodeDetail(
-            **_summary(ep, len(completions), versions).model_dump(), completions=details
-        )
+        sampled = sum(len(c.output_token_ids) for c in completions)
+        drift = any(c.drift for c in completions)
+        summary = _summary(ep, len(completions), versions, sampled, drift)
+        return EpisodeDetail(**summary.model_dump(), completions=details)
 
 
-def _summary(ep: Episode, turns: int, versions: list[int]) -> EpisodeSummary:
+async def _summaries(
+    session: AsyncSession, run_id: str, episodes: list[Episode]
+) -> dict[str, EpisodeSummary]:
+    """Episode id -> its summary, in the order given."""
+    ids = [e.id for e in episodes]
+    stats = await turn_stats(session, run_id, ids)
+    shapes = await episode_shapes(session, run_id, ids)
+    return {
+        e.id: _summary(e, *stats.get(e.id, (0, [])), *shapes.get(e.id, (0, False)))
+        for e in episodes
+    }
+
+
+def _summary(
+    ep: Episode, turns: int, versions: list[int], sampled_tokens: int = 0, drift: bool = False
+) -> EpisodeSummary:
     return EpisodeSummary(
         episode_id=ep.id,
         group_id=ep.group_id,
@@ -126,6 +183,8 @@ def _summary(ep: Episode, turns: int, versions: list[int]) -> EpisodeSummary:
         turns=turns,
         versions=versions,
         created_at=as_utc(ep.created_at).isoformat(),
+        sampled_tokens=sampled_tokens,
+        drift=drift,
     )
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Select, Update, and_, exists, func, insert, or_, select, update
+from sqlalchemy import Select, Update, and_, case, exists, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Completion, Episode, Run, as_utc
+from gateway.store.models import Completion, Episode, Reward, Run, as_utc
 from gateway.store.runs import bump_counter
 from gateway.store.status import PENDING_EPISODE, UNCONSUMED_EPISODE, UNGROUPED, EpisodeStatus
 
@@ -100,16 +100,31 @@ async def episode_page(
     reward_max: float | None = None,
     sampled_by: int | None = None,
     min_version: int | None = None,
+    group_id: str | None = None,
+    min_tokens: int | None = None,
+    max_tokens: int | None = None,
+    drift: bool | None = None,
 ) -> list[Episode]:
     """One keyset page of a run's episodes in `(created_at, id)` order.
 
     `after` is the `(created_at, id)` of the previous page's last episode.
     `sampled_by`: a completion was sampled by that version; `min_version`:
-    none was sampled by an older one. Other filters are plain column bounds.
+    none was sampled by an older one. `min_tokens`/`max_tokens` bound the
+    tokens sampled over all the episode's turns; `drift`: some turn (True) or
+    no turn (False) had template drift. Other filters are plain column bounds.
     """
     stmt: Select = select(Episode).where(Episode.run_id == run_id)
     if status is not None:
         stmt = stmt.where(Episode.status == status)
+    if group_id is not None:
+        stmt = stmt.where(Episode.group_id == group_id)
+    if min_tokens is not None:
+        stmt = stmt.where(_sampled_bytes() >= 4 * min_tokens)
+    if max_tokens is not None:
+        stmt = stmt.where(_sampled_bytes() <= 4 * max_tokens)
+    if drift is not None:
+        drifted = _has_completion(Completion.drift.is_(True))
+        stmt = stmt.where(drifted if drift else ~drifted)
     if reward_min is not None:
         stmt = stmt.where(Episode.reward >= reward_min)
     if reward_max is not None:
@@ -141,6 +156,61 @@ def _has_completion(condition) -> Any:
     return exists().where(
         Completion.run_id == Episode.run_id, Completion.episode_id == Episode.id, condition
     )
+
+
+def _sampled_bytes() -> Any:
+    """Bytes of sampled ids over the episode's turns: 4 per token (`IntArray` packs int32)."""
+    return (
+        select(func.coalesce(func.sum(func.length(Completion.output_token_ids)), 0))
+        .where(Completion.run_id == Episode.run_id, Completion.episode_id == Episode.id)
+        .scalar_subquery()
+    )
+
+
+async def episode_shapes(
+    session: AsyncSession, run_id: str, episode_ids: list[str]
+) -> dict[str, tuple[int, bool]]:
+    """Episode -> (tokens sampled over its turns, whether any turn had template drift)."""
+    if not episode_ids:
+        return {}
+    rows = await session.execute(
+        select(
+            Completion.episode_id,
+            func.sum(func.length(Completion.output_token_ids)),
+            func.max(case((Completion.drift.is_(True), 1), else_=0)),
+        )
+        .where(Completion.run_id == run_id, Completion.episode_id.in_(episode_ids))
+        .group_by(Completion.episode_id)
+    )
+    return {ep: (int(n or 0) // 4, bool(d)) for ep, n, d in rows.all()}
+
+
+async def group_members(session: AsyncSession, run_id: str, group_id: str) -> list[Episode]:
+    """Every episode of the run's group, oldest first."""
+    stmt = (
+        select(Episode)
+        .where(Episode.run_id == run_id, Episode.group_id == group_id)
+        .order_by(Episode.created_at, Episode.id)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def episode_reward_posts(
+    session: AsyncSession, run_id: str, episode_ids: list[str]
+) -> dict[str, float]:
+    """Episode -> its newest episode-level reward post (per-turn posts live on completions)."""
+    if not episode_ids:
+        return {}
+    stmt = (
+        select(Reward.episode_id, Reward.value)
+        .where(
+            Reward.run_id == run_id,
+            Reward.episode_id.in_(episode_ids),
+            Reward.completion_id.is_(None),
+        )
+        .order_by(Reward.id)
+    )
+    return {ep: float(v) for ep, v in (await session.execute(stmt)).all()}  # newest wins
 
 
 async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
