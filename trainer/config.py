@@ -31,6 +31,10 @@ class ParallelConfig(BaseModel):
     )
 
 
+# Every linear layer of a Llama-like decoder block's attention and MLP.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class TrackingConfig(BaseModel):
     """Which experiment trackers a run's step metrics also go to (see docs/tracking.md).
 
@@ -157,6 +161,20 @@ class RunConfig(BaseModel):
     # --- where step metrics also go (trainer.metrics_sinks); None fields defer to the worker
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     seed: int = 0
+    # --- LoRA: train an adapter on the frozen, shared base model (see docs/lora.md)
+    lora_rank: int | None = Field(
+        None, ge=1, le=256, description="LoRA rank; None: full fine-tuning of every weight"
+    )
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA scale numerator (scale = alpha / rank); None: 2 x rank"
+    )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="names of the Linear layers that get an adapter; None: every linear "
+        f"layer of the attention and MLP blocks ({', '.join(LORA_DEFAULT_TARGETS)})",
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -185,7 +203,36 @@ class RunConfig(BaseModel):
             raise ValueError("engine='megatron' runs on NCCL only: set parallel.backend to 'auto'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":
             raise ValueError("gamma only applies to reward_policy='discounted': set both")
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        if self.lora_rank is None:
+            for name in ("lora_alpha", "lora_target_modules"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs lora_rank: set lora_rank to train an adapter")
+            if self.lora_dropout:
+                raise ValueError("lora_dropout needs lora_rank: set lora_rank to train an adapter")
+            return
+        if self.engine == "megatron":
+            raise ValueError("LoRA runs train on engine='local' or 'fsdp': unset lora_rank")
+        if self.lora_target_modules is not None and any(
+            not m or not m.replace("_", "").replace(".", "").isalnum()
+            for m in self.lora_target_modules
+        ):
+            raise ValueError("lora_target_modules takes module names such as 'q_proj'")
+
+    @property
+    def lora(self) -> bool:
+        """Whether the run trains a LoRA adapter instead of every weight."""
+        return self.lora_rank is not None
+
+    def resolved_lora_alpha(self) -> float:
+        """lora_alpha, or its default 2 x lora_rank."""
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * (self.lora_rank or 0)
+
+    def resolved_lora_targets(self) -> list[str]:
+        return list(self.lora_target_modules or LORA_DEFAULT_TARGETS)
 
 
 class QueueConfig(BaseModel):

@@ -35,7 +35,7 @@ class LocalEngine(Engine):
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         lm.train(train)
         lm.requires_grad_(train)
-        return PolicyLogits(lm)
+        return PolicyLogits(self.with_adapter(lm, train=train))
 
     @property
     def model(self) -> nn.Module:
@@ -53,7 +53,7 @@ class LocalEngine(Engine):
         return hf_forward(self.policy, self.reference, chunk, self.pad_id, torch.device("cpu"))
 
     def trained_parameters(self) -> Iterable[nn.Parameter]:
-        return self.model.parameters()
+        return self.trainable(self.model.parameters())
 
     def save_optimizer(self, state_dir: Path) -> None:
         """AdamW state for the version just trained (overwritten each step, atomically)."""
@@ -70,7 +70,10 @@ class LocalEngine(Engine):
         return self.optimizer_resumed
 
     def save(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        """Write an untied HF directory to `out_dir` atomically (temp dir, then rename)."""
+        """Write an untied HF directory (a LoRA run: the adapter) to `out_dir` atomically."""
+        if self.cfg.lora:
+            self.save_adapter(out_dir, tokenizer_dir)
+            return
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)

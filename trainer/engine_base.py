@@ -38,6 +38,12 @@ Three implementations, picked by `RunConfig.engine` through
 Every engine reports the same metrics (`METRICS`, plus `kl_ref` when the
 run has a KL penalty and `adv_*` when any token is trained).
 
+A LoRA run (`RunConfig.lora_rank`, `trainer.lora`) goes through the same
+step: the engine loads the base model, `with_adapter` injects version N's
+adapter before the engine wraps or shards it, only the adapter's parameters
+are trained (`trainable`), the KL reference is the policy with the adapter
+switched off, and `save` writes the adapter alone (`save_adapter`).
+
 Optimizer state is saved to, and loaded from, a DIRECTORY on every engine:
 `optimizer.pt` inside it for the engines whose ranks hold the full state
 (`save_optimizer_file`), `torch.distributed.checkpoint` shards for FSDP
@@ -61,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from trainer.batch import Sample
 from trainer.config import ParallelConfig, RunConfig
 from trainer.logprobs import Forward
+from trainer.lora import BaseModelView, attach_lora, is_adapter_dir, save_adapter
 from trainer.losses.policy import policy_loss
 from trainer.packing import padded_groups
 from trainer.parallel import DTYPES, DistInfo, init_distributed
@@ -176,20 +183,30 @@ class Engine(ABC):
 
         `parallel`: how a distributed engine shards and casts (the local engine
         has nothing to shard). `reference_dir`: the frozen base model, needed
-        for the KL penalty (`kl_coef > 0`).
+        for the KL penalty (`kl_coef > 0`) and by a LoRA run, whose `checkpoint_dir`
+        is an adapter (or, at version 0, the base itself).
         """
         self.cfg, self.version = cfg, version
         self.parallel = parallel or ParallelConfig()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.join_group()
-        if cfg.kl_coef > 0 and reference_dir is None:
-            raise ValueError("kl_coef > 0 needs the reference model's directory")
+        if (cfg.kl_coef > 0 or cfg.lora) and reference_dir is None:
+            raise ValueError("kl_coef > 0 and LoRA runs need the base model's directory")
         self.seed()
-        self.hf_config = json.loads((self.checkpoint_dir / "config.json").read_text())
+        # A LoRA run loads the base model and puts version N's adapter on it (trainer.lora).
+        self.adapter_dir: Path | None = None
+        self.peft_model = None  # the PeftModel around the policy's HF model (LoRA runs)
+        model_dir = self.checkpoint_dir
+        if cfg.lora:
+            model_dir = Path(reference_dir)
+            self.adapter_dir = self.checkpoint_dir if is_adapter_dir(self.checkpoint_dir) else None
+        self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.pad_id: int = self.hf_config.get("pad_token_id") or 0
-        self.policy = self.load_model(self.checkpoint_dir, train=True)
-        self.reference: nn.Module | None = None
-        if cfg.kl_coef > 0:
+        self.policy = self.load_model(model_dir, train=True)
+        self.reference: nn.Module | BaseModelView | None = None
+        if cfg.kl_coef > 0 and cfg.lora:  # the same weights with the adapter off: no copy
+            self.reference = BaseModelView(self.policy, self.peft_model)
+        elif cfg.kl_coef > 0:
             self.reference = self.load_model(Path(reference_dir), train=False)
         # the rate is a function of the version: optimizer_step sets it on every step
         self.optimizer = torch.optim.AdamW(
@@ -198,7 +215,30 @@ class Engine(ABC):
 
     @abstractmethod
     def load_model(self, model_dir: Path, *, train: bool) -> nn.Module:
-        """`model_dir` loaded and wrapped for this engine: the policy, or the frozen reference."""
+        """`model_dir` loaded and wrapped for this engine: the policy, or the frozen reference.
+
+        The policy of a LoRA run gets its adapter (`with_adapter`) before any wrapping.
+        """
+
+    def with_adapter(self, lm: nn.Module, *, train: bool) -> nn.Module:
+        """`lm` with version N's LoRA adapter injected in place when the run trains one.
+
+        Called by every engine's `load_model` on the bare HF model, before it is
+        wrapped or sharded; the base weights are frozen, the adapter's are trained.
+        """
+        if train and self.cfg.lora:
+            self.peft_model = attach_lora(lm, self.cfg, self.adapter_dir)
+        return lm
+
+    def save_adapter(
+        self, out_dir: Path, tokenizer_dir: Path, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write version N+1 of a LoRA run: the adapter only (`trainer.lora.save_adapter`)."""
+        save_adapter(self.peft_model, out_dir, tokenizer_dir, state)
+
+    def trainable(self, params: Iterable[nn.Parameter]) -> Iterable[nn.Parameter]:
+        """The parameters of `params` that are trained (a LoRA run: the adapter's only)."""
+        return (p for p in params if p.requires_grad)
 
     @abstractmethod
     def forward(self, chunk: list[Sample]) -> Forward:

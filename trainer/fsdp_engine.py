@@ -58,9 +58,10 @@ class FsdpEngine(DistributedEngine):
         lm = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=self.parallel.attn_implementation
         )
-        model = PolicyLogits(lm).to(self.dist.device)
+        model = PolicyLogits(self.with_adapter(lm, train=train)).to(self.dist.device)
         model.train(train)
-        model.requires_grad_(train)
+        if not self.cfg.lora:  # a LoRA policy's base is frozen by `with_adapter`
+            model.requires_grad_(train)
         if train and self.parallel.activation_checkpointing:
             apply_activation_checkpointing(model)
         apply_fsdp(
@@ -90,7 +91,7 @@ class FsdpEngine(DistributedEngine):
         )
 
     def trained_parameters(self) -> Iterable[nn.Parameter]:
-        return self.policy.parameters()
+        return self.trainable(self.policy.parameters())
 
     def load_optimizer(self, state_dir: Path | None) -> bool:
         """Resume AdamW from `state_dir` if it holds the state for this version. Collective."""
@@ -104,14 +105,19 @@ class FsdpEngine(DistributedEngine):
         save_optimizer_state(self.policy, self.optimizer, state_dir, self.version)
 
     def save(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        """Gather the full weights to rank 0 and write an untied HF directory atomically.
+        """Gather the full weights to rank 0 and write an untied HF directory atomically
+        (a LoRA run: the adapter alone).
 
         Collective: every rank must call it. Rank 0 writes `out_dir.tmp`, then
         renames; the barrier keeps other ranks from returning before that.
         """
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.policy, options=opts)  # empty on ranks > 0
-        if self.rank == 0:
+        if self.rank == 0 and self.cfg.lora:
+            # PolicyLogits' "lm." is the PeftModel's "base_model.model."
+            state = {"base_model.model." + k.removeprefix("lm."): v for k, v in state.items()}
+            self.save_adapter(out_dir, tokenizer_dir, state)
+        elif self.rank == 0:
             lm = self.policy.lm
             state = {k.removeprefix("lm."): v for k, v in state.items()}
             write_untied_hf(state, lm.config, lm.generation_config, out_dir, tokenizer_dir)

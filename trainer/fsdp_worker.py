@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, required=True, help="where version N+1 is written")
     p.add_argument("--tokenizer-dir", type=Path, required=True)
     p.add_argument("--metrics", type=Path, required=True, help="rank 0 writes JSON here")
-    p.add_argument("--reference-dir", type=Path, help="frozen base model (kl_coef > 0)")
+    p.add_argument("--reference-dir", type=Path, help="frozen base model (kl_coef > 0, LoRA)")
     p.add_argument("--optimizer-in", type=Path, help="AdamW state saved for version N, if any")
     p.add_argument("--optimizer-out", type=Path, help="where to save AdamW's state for N+1")
     return p.parse_args(argv)

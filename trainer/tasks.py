@@ -125,7 +125,7 @@ class Trainer:
                     model_path,
                     cfg.world_size,
                     parallel=cfg.parallel.model_dump(),
-                    reference_dir=model_path if cfg.kl_coef > 0 else None,
+                    reference_dir=model_path if cfg.kl_coef > 0 or cfg.lora else None,
                     # the state saved by the previous step, whichever worker ran it
                     optimizer_in=self._fsdp_optimizer_dir(run_id, step)
                     if cfg.save_optimizer_state
