@@ -5,6 +5,14 @@ that is generating; that batch finishes on the old weights, the new state
 dict is copied in place, and every later batch reports the new version. A
 completion therefore never mixes tokens from two versions, and the version it
 reports is the one that produced all its tokens.
+
+LoRA adapters (`AdapterBackend`): many adapters on the one base model, each
+request naming its own (`GenerateRequest.adapter`); a batch mixes them row by
+row (`inference.lora.AdapterBank`). `load_adapter` reads the adapter off the
+model thread, then queues its swap like `load_weights`: the batch generating
+finishes with the old adapter, and the swap replaces that one adapter only.
+A row reports its adapter's version (the base model's `version` when it
+names none); a request naming an adapter that is not loaded fails alone.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from pathlib import Path
 import torch
 
 from inference.backend import BackendError, BackendOverloaded
+from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.sampling import sample_row
 from inference.types import GenerateRequest, GenerateResult
 
@@ -71,6 +80,13 @@ class _Swap:
     future: Future
 
 
+@dataclass
+class _AdapterSwap:
+    name: str
+    adapter: Adapter | None  # None: unload
+    future: Future
+
+
 def _check_compatible(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     """Refuse a checkpoint before copying anything, so a failed swap leaves no mixed weights."""
     missing = sorted(current.keys() - new.keys())
@@ -109,9 +125,10 @@ class LocalBackend:
         self.model.to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id or 0
         self._version = version
+        self._adapters = AdapterBank(self.model)
         self.threads = threads
         self.torch_threads: int | None = None  # what the model thread runs on, once started
-        self._queue: queue.Queue[_Job | _Swap | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | _Swap | _AdapterSwap | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
         self._closed = False
         self._thread.start()
@@ -137,6 +154,25 @@ class LocalBackend:
     async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
         await asyncio.wrap_future(self._submit(_Swap(Path(checkpoint_dir), version, Future())))
 
+    def adapter_version(self, name: str) -> int | None:
+        return self._adapters.version(name)
+
+    def adapter_bytes(self) -> int:
+        """Memory held by the loaded adapters' tensors."""
+        return sum(a.nbytes for a in self._adapters.adapters.values())
+
+    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+        try:
+            adapter = await asyncio.to_thread(
+                read_adapter, Path(adapter_dir), self.model, version, self.device
+            )
+        except (AdapterError, OSError) as exc:
+            raise BackendError(f"adapter {name!r} not loaded: {exc}") from exc
+        await asyncio.wrap_future(self._submit(_AdapterSwap(name, adapter, Future())))
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.wrap_future(self._submit(_AdapterSwap(name, None, Future())))
+
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
@@ -146,7 +182,7 @@ class LocalBackend:
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join, 30)
 
-    def _submit(self, item: _Job | _Swap) -> Future:
+    def _submit(self, item: _Job | _Swap | _AdapterSwap) -> Future:
         if self._closed:
             raise BackendError("local backend is closed")
         if isinstance(item, _Job) and self._queue.qsize() >= self.max_pending:
@@ -167,11 +203,11 @@ class LocalBackend:
             item = self._queue.get()
             if item is None:
                 return
-            if isinstance(item, _Swap):
+            if not isinstance(item, _Job):
                 self._swap(item)
                 continue
             batch = [item]
-            deferred: list[_Swap | None] = []
+            deferred: list[_Swap | _AdapterSwap | None] = []
             try:
                 while len(batch) < self.max_batch_size:
                     nxt = self._queue.get(timeout=self.batch_wait_s)
@@ -188,8 +224,10 @@ class LocalBackend:
                     return
                 self._swap(d)
 
-    def _swap(self, swap: _Swap) -> None:
-        if swap.future.set_running_or_notify_cancel():
+    def _swap(self, swap: _Swap | _AdapterSwap) -> None:
+        if isinstance(swap, _AdapterSwap):
+            self._swap_adapter(swap)
+        elif swap.future.set_running_or_notify_cancel():
             try:
                 from safetensors.torch import load_file
 
@@ -208,8 +246,22 @@ class LocalBackend:
                 logger.exception("weight load failed")
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
 
+    def _swap_adapter(self, swap: _AdapterSwap) -> None:
+        if not swap.future.set_running_or_notify_cancel():
+            return
+        if swap.adapter is None:
+            self._adapters.pop(swap.name)
+            logger.info("adapter %s unloaded", swap.name)
+        else:
+            self._adapters.put(swap.name, swap.adapter)
+            logger.info("adapter %s now serves version %d", swap.name, swap.adapter.version)
+        swap.future.set_result(None)
+
     def _run_batch(self, jobs: list[_Job]) -> None:
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        for j in [j for j in jobs if self._unknown_adapter(j.request)]:
+            j.future.set_exception(BackendError(f"adapter {j.request.adapter!r} is not loaded"))
+            jobs.remove(j)
         if not jobs:
             return
         try:
@@ -222,11 +274,25 @@ class LocalBackend:
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(r)
 
+    def _unknown_adapter(self, request: GenerateRequest) -> bool:
+        return request.adapter is not None and self._adapters.version(request.adapter) is None
+
+    def _row_version(self, request: GenerateRequest) -> int:
+        if request.adapter is None:
+            return self._version
+        return self._adapters.adapters[request.adapter].version
+
     @torch.no_grad()
     def _generate_batch(self, jobs: list[_Job]) -> list[GenerateResult]:
-        """Left-padded batched decoding with a KV cache; each row samples with its own params."""
+        """Left-padded batched decoding with a KV cache; each row samples with its own params
+        and its own adapter."""
         requests = [j.request for j in jobs]
-        version = self._version
+        versions = [self._row_version(r) for r in requests]
+        with self._adapters.routing([r.adapter for r in requests]):
+            return self._decode(jobs, versions)
+
+    def _decode(self, jobs: list[_Job], versions: list[int]) -> list[GenerateResult]:
+        requests = [j.request for j in jobs]
         width = max(len(r.prompt_token_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
@@ -277,8 +343,8 @@ class LocalBackend:
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return [
-            GenerateResult(o, lp, f or "length", version)
-            for o, lp, f in zip(out_ids, out_lps, finish, strict=True)
+            GenerateResult(o, lp, f or "length", v)
+            for o, lp, f, v in zip(out_ids, out_lps, finish, versions, strict=True)
         ]
 
     def _hit_stop(self, ids: list[int], params) -> bool:
