@@ -144,7 +144,15 @@ class Settings(BaseSettings):
         None, description="trainer: also write step metrics as JSON lines (and TensorBoard) here"
     )
     metrics_tensorboard: bool = Field(False, description="trainer: TensorBoard events too")
-    metrics_wandb_project: str | None = Field(None, description="trainer: also log to W&B")
+    metrics_wandb_project: str | None = Field(
+        None, description="trainer: log every run to this W&B project (a run may opt out)"
+    )
+    metrics_mlflow_experiment: str | None = Field(
+        None, description="trainer: log every run to this MLflow experiment (a run may opt out)"
+    )
+    metrics_mlflow_tracking_uri: str = Field(
+        "", description="trainer: MLflow store or server; empty: sqlite file mlflow.db in data_dir"
+    )
 
     @property
     def resolved_database_url(self) -> str:
@@ -196,6 +204,9 @@ class Settings(BaseSettings):
             dir=self.metrics_dir,
             tensorboard=self.metrics_tensorboard,
             wandb_project=self.metrics_wandb_project,
+            mlflow_experiment=self.metrics_mlflow_experiment,
+            mlflow_tracking_uri=self.metrics_mlflow_tracking_uri
+            or f"sqlite:///{self.data_dir.resolve() / 'mlflow.db'}",
         )
 
     def queue(self) -> QueueConfig:

@@ -1,11 +1,16 @@
-"""Optional places the trainer also writes each step's metrics to: JSON lines, TensorBoard, W&B.
+"""Places the trainer also writes each step's metrics to: JSON lines, TensorBoard, W&B, MLflow.
 
 The store (`train_steps.metrics`) stays the source of truth that the admin API
-and dashboard read; these sinks are for the tools people already watch. Each
-is configured in `MetricsSinkConfig` and import-guarded: TensorBoard needs the
-`tensorboard` package, W&B the `wandb` package, and a sink whose package is
-missing is skipped with a warning, never an import error in the worker. A
-sink that fails while writing is logged and the train step still counts.
+and dashboard read; these sinks are for the tools people already watch.
+JSONL and TensorBoard are set per worker (`MetricsSinkConfig`); the trackers,
+W&B and MLflow (`trainer.tracker_sinks`), per worker and per run
+(`RunConfig.tracking`, whose fields win over the worker's when set).
+
+Sinks see a step only after it is committed, so a sink never changes what
+trained or which version exists. A sink that fails (its package missing, its
+server away, a bug) is logged and counted: `MetricsSinks.log` returns the
+number that failed and the trainer stores it in the step's metrics as
+`sink_errors`. The step stays done.
 """
 
 from __future__ import annotations
@@ -13,22 +18,48 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
+from trainer.config import TrackingConfig
+
 logger = logging.getLogger(__name__)
+
+DEFAULT_PROJECT = "rlgate"  # W&B project and MLflow experiment when nothing names one
 
 
 class MetricsSinkConfig(BaseModel):
+    """A worker's sinks; the W&B and MLflow ones are defaults that a run's config may override."""
+
     dir: Path | None = Field(None, description="root of the JSONL (and TensorBoard) logs")
     tensorboard: bool = Field(False, description="also write TensorBoard events under dir")
-    wandb_project: str | None = Field(None, description="also log to this W&B project")
+    wandb_project: str | None = Field(None, description="log every run to this W&B project")
+    mlflow_experiment: str | None = Field(
+        None, description="log every run to this MLflow experiment"
+    )
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow store or server (sqlite:///..., http://...); empty: MLflow's own"
+    )
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """What a sink knows of an rlgate run: its id, and what a tracker logs once when it opens."""
+
+    id: str
+    name: str = ""
+    model: str = ""
+    config: dict[str, Any] = field(default_factory=dict)  # RunConfig, as stored
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 class MetricsSink(Protocol):
-    def log(self, run_id: str, version: int, metrics: dict[str, float], wall_time: float) -> None:
+    def log(
+        self, run: TrackedRun, version: int, metrics: dict[str, float], wall_time: float
+    ) -> None:
         """One point per train step, at x = the version it produced."""
 
     def close(self) -> None: ...
@@ -48,8 +79,10 @@ class JsonlSink:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def log(self, run_id: str, version: int, metrics: dict[str, float], wall_time: float) -> None:
-        folder = self.root / run_id
+    def log(
+        self, run: TrackedRun, version: int, metrics: dict[str, float], wall_time: float
+    ) -> None:
+        folder = self.root / run.id
         folder.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"version": version, "time": wall_time, **metrics})
         with (folder / "metrics.jsonl").open("a") as f:
@@ -69,10 +102,12 @@ class TensorBoardSink:
         self.root = root / "tensorboard"
         self.writers: dict[str, Any] = {}
 
-    def log(self, run_id: str, version: int, metrics: dict[str, float], wall_time: float) -> None:
-        if run_id not in self.writers:
-            self.writers[run_id] = self._writer_cls(log_dir=str(self.root / run_id))
-        writer = self.writers[run_id]
+    def log(
+        self, run: TrackedRun, version: int, metrics: dict[str, float], wall_time: float
+    ) -> None:
+        if run.id not in self.writers:
+            self.writers[run.id] = self._writer_cls(log_dir=str(self.root / run.id))
+        writer = self.writers[run.id]
         for name, value in metrics.items():
             writer.add_scalar(f"train/{name}", value, global_step=version, walltime=wall_time)
         writer.flush()
@@ -83,46 +118,70 @@ class TensorBoardSink:
         self.writers.clear()
 
 
-class WandbSink:
-    """One W&B run per rlgate run (id = run id, resumed across worker restarts)."""
+def trackers_for(run: TrackingConfig, worker: MetricsSinkConfig) -> list[str]:
+    """The trackers a run logs to: its own choice where set, else the worker's.
 
-    def __init__(self, project: str) -> None:
-        import wandb
-
-        self.wandb = wandb
-        self.project = project
-        self.runs: dict[str, Any] = {}
-
-    def log(self, run_id: str, version: int, metrics: dict[str, float], wall_time: float) -> None:
-        if run_id not in self.runs:
-            self.runs[run_id] = self.wandb.init(
-                project=self.project, id=run_id, name=run_id, resume="allow", reinit=True
-            )
-        self.runs[run_id].log({f"train/{k}": v for k, v in metrics.items()}, step=version)
-
-    def close(self) -> None:
-        for run in self.runs.values():
-            run.finish()
-        self.runs.clear()
+    Per tracker, in order: the run's `wandb` / `mlflow` (true or false); else a
+    project / experiment named by the run (on); else on when the worker names one.
+    """
+    chosen = []
+    for name, on, named, default in (
+        ("wandb", run.wandb, run.wandb_project, worker.wandb_project),
+        ("mlflow", run.mlflow, run.mlflow_experiment, worker.mlflow_experiment),
+    ):
+        if on if on is not None else (named is not None or default is not None):
+            chosen.append(name)
+    return chosen
 
 
 class MetricsSinks:
-    """All configured sinks behind one `log`; a failing sink never fails a train step."""
+    """The worker's sinks and the trackers runs ask for, behind one `log` that never raises."""
 
-    def __init__(self, sinks: list[MetricsSink]) -> None:
-        self.sinks = sinks
+    def __init__(self, cfg: MetricsSinkConfig, sinks: list[MetricsSink]) -> None:
+        self.cfg = cfg
+        self.sinks = sinks  # every run's steps
+        self.trackers: dict[str, MetricsSink] = {}  # opened on first use, shared by runs
 
-    def log(self, run_id: str, version: int, metrics: dict[str, Any]) -> None:
-        values, now = scalars(metrics), time.time()
-        for sink in self.sinks:
+    def log(self, run: TrackedRun, version: int, metrics: dict[str, Any]) -> int:
+        """Write one step everywhere it goes; returns how many sinks failed (0: all wrote it)."""
+        values, now, failed = scalars(metrics), time.time(), 0
+        for name in trackers_for(run.tracking, self.cfg):
             try:
-                sink.log(run_id, version, values, now)
-            except Exception:
-                logger.exception("metrics sink %s failed", type(sink).__name__)
+                sink = self._tracker(name)
+            except ImportError as exc:
+                logger.warning("run %s logs to %s, but %s; skipped", run.id, name, exc)
+                failed += 1
+                continue
+            failed += not self._write(sink, run, version, values, now)
+        for sink in self.sinks:
+            failed += not self._write(sink, run, version, values, now)
+        return failed
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for sink in [*self.sinks, *self.trackers.values()]:
+            try:
+                sink.close()
+            except Exception:
+                logger.exception("closing metrics sink %s failed", type(sink).__name__)
+        self.trackers.clear()
+
+    def _tracker(self, name: str) -> MetricsSink:
+        if name not in self.trackers:
+            from trainer import tracker_sinks  # their packages are optional extras
+
+            self.trackers[name] = tracker_sinks.make_tracker(name, self.cfg)
+        return self.trackers[name]
+
+    @staticmethod
+    def _write(
+        sink: MetricsSink, run: TrackedRun, version: int, values: dict[str, float], now: float
+    ) -> bool:
+        try:
+            sink.log(run, version, values, now)
+        except Exception:
+            logger.exception("metrics sink %s failed for run %s", type(sink).__name__, run.id)
+            return False
+        return True
 
 
 def make_sinks(cfg: MetricsSinkConfig) -> MetricsSinks:
@@ -136,9 +195,4 @@ def make_sinks(cfg: MetricsSinkConfig) -> MetricsSinks:
                 logger.warning("TensorBoard logging asked for, but tensorboard is not installed")
     elif cfg.tensorboard:
         logger.warning("TensorBoard logging needs a metrics dir; skipped")
-    if cfg.wandb_project:
-        try:
-            sinks.append(WandbSink(cfg.wandb_project))
-        except ImportError:
-            logger.warning("W&B logging asked for, but wandb is not installed")
-    return MetricsSinks(sinks)
+    return MetricsSinks(cfg, sinks)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from celery import Celery
+from celery.signals import worker_shutdown
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,7 +36,7 @@ from trainer.engine_base import Engine
 from trainer.engine_check import EngineUnavailable, engine_unavailable
 from trainer.engines import engine_class, engine_entry
 from trainer.launch import run_fsdp_step, write_samples
-from trainer.metrics_sinks import make_sinks
+from trainer.metrics_sinks import TrackedRun, make_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Trainer:
         self.settings = settings
         self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
         self.engines: dict[str, Engine] = {}  # in-process engines only (not torchrun)
-        self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B
+        self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B/MLflow
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
@@ -97,6 +98,7 @@ class Trainer:
         with self.sessions() as s:
             run = s.get(Run, run_id)
             cfg = RunConfig.model_validate(run.config)
+            tracked = TrackedRun(run.id, run.name, run.model, dict(run.config), cfg.tracking)
             if reason := engine_unavailable(cfg.engine):
                 raise EngineUnavailable(reason)  # the step fails with this message
             samples, rewards, _groups, assembly = load_step_samples(s, run_id, step, cfg)
@@ -166,10 +168,22 @@ class Trainer:
             row.duration_s = duration
             row.metrics = {"attempts": 1, **(row.metrics or {}), **metrics}  # keeps "resent"
             row.finished_at = datetime.now(UTC)
+            logged = {**row.metrics, "reward_mean": row.reward_mean, "reward_std": row.reward_std}
         self._prune(run_id, step + 1, cfg.keep_checkpoints)
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
-        self.sinks.log(run_id, step + 1, {**metrics, "reward_mean": statistics.fmean(rewards)})
+        # after the commit: trackers only ever see a step that counted, and never fail it
+        if failed := self.sinks.log(tracked, step + 1, logged | {"duration_s": duration}):
+            self._record_sink_errors(run_id, step, failed)
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
+
+    def _record_sink_errors(self, run_id: str, step: int, failed: int) -> None:
+        """`sink_errors` into a done step's metrics; the step stays done whatever happens here."""
+        try:
+            with self.sessions.begin() as s:
+                row = s.get(TrainStep, (run_id, step))
+                row.metrics = {**(row.metrics or {}), "sink_errors": failed}
+        except Exception:
+            logger.exception("storing sink_errors of %s step %d failed", run_id, step)
 
     def _threads_per_rank(self, world_size: int) -> int:
         """The trainer's thread budget split over torchrun ranks (OMP_NUM_THREADS of each)."""
@@ -205,6 +219,8 @@ class Trainer:
 
 def register_tasks(app: Celery, settings: Settings) -> Trainer:
     trainer = Trainer(settings)
+    # W&B and MLflow runs are closed (finished) when the worker stops; a new worker resumes them
+    worker_shutdown.connect(lambda **_: trainer.sinks.close(), weak=False)
 
     @app.task(
         name=TRAIN_STEP_TASK,
