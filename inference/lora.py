@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +104,43 @@ def read_adapter(
     if not layers:
         raise AdapterError(f"{adapter_dir}: the adapter has no LoRA layers")
     return Adapter(layers, version)
+
+
+def missing_lora_targets(model_dir: Path, targets: Sequence[str]) -> list[str]:
+    """The names in `targets` that match no Linear layer of the model in `model_dir`.
+
+    The model is built on the meta device: no weights are read.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linear |= {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return [t for t in targets if t not in linear]
+
+
+def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> None:
+    """Base + adapter merged into a plain HF directory that `from_pretrained` loads.
+
+    Written to `out_dir.tmp` and renamed; the base's tokenizer files come along.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    lm = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp)
+    for src in base_dir.iterdir():  # tokenizer, chat template: what is not weights or config
+        weights = src.suffix in (".safetensors", ".bin", ".pt", ".gguf") or "index" in src.name
+        if src.is_file() and not weights and not (tmp / src.name).exists():
+            shutil.copy2(src, tmp / src.name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
 
 
 def _scale(config: dict, rank: int) -> float:

@@ -1,4 +1,4 @@
-"""LoRA runs in the trainer: wrap the base model with a trainable adapter, save and merge it.
+"""LoRA runs in the trainer: wrap the base model with a trainable adapter, and save it.
 
 A LoRA run trains only the adapter; the base weights stay frozen and are
 never written. Every version's checkpoint is a PEFT adapter directory
@@ -95,17 +95,3 @@ def save_adapter(
     kwargs = {} if state is None else {"state_dict": state}
     peft_model.save_pretrained(tmp, **kwargs)
     publish_checkpoint(tmp, out_dir, tokenizer_dir)
-
-
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> None:
-    """Base + adapter merged into a plain HF directory that `from_pretrained` loads."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp)
-    publish_checkpoint(tmp, out_dir, base_dir)

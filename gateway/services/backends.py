@@ -5,6 +5,12 @@ The run's backend kind (`inference.registry`) decides: an in-process kind
 (`vllm`, `sglang`, ...) gets one backend per registered replica URL (table
 `run_replicas`), wrapped in a `ReplicaSet` (routing, health, failover, rolling
 hot swap: inference/replicas.py).
+
+LoRA runs (`RunConfig.lora_rank`) on an in-process kind share ONE backend per
+(kind, base model directory): the base is loaded once, each run is an
+`AdapterView` on it that loads only its adapter, and the base is closed when
+its last run is unloaded. A remote LoRA run's replica set must serve adapters
+itself (`AdapterBackend`); its view then routes its requests to its adapter.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from inference import registry
-from inference.backend import Backend
+from inference.backend import AdapterBackend, Backend
 from inference.chat_template import ChatTemplate
+from inference.lora_view import AdapterView
 from inference.replicas import ReplicaConfig, ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -30,6 +37,14 @@ class RunServing:
     backend: Backend
     template: ChatTemplate
     max_context: int
+
+
+@dataclass
+class SharedBase:
+    """One base model served in-process to every LoRA run on it (their adapters ride on it)."""
+
+    serving: RunServing
+    runs: set[str]
 
 
 def _model_context(model_dir: Path) -> int:
@@ -53,6 +68,7 @@ class BackendPool:
         self.replica_config = replica_config or ReplicaConfig()
         self._serving: dict[str, RunServing] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._bases: dict[tuple[str, Path], SharedBase] = {}  # (kind, base dir) -> LoRA base
 
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
@@ -63,19 +79,90 @@ class BackendPool:
         return None if serving is None else serving.backend.version
 
     async def get(
-        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+        self,
+        run_id: str,
+        model_dir: Path,
+        backend: str,
+        version: int,
+        ckpt: Path | None,
+        *,
+        lora: bool = False,
     ) -> RunServing:
+        """The run's serving, loaded on first use. `lora`: the run trains a LoRA adapter, and
+        `ckpt` (beyond version 0) is that adapter."""
         if run_id in self._serving:
             return self._serving[run_id]
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             if run_id not in self._serving:
-                if registry.get(backend).remote:
+                remote = registry.get(backend).remote
+                if remote:
                     serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
+                elif lora:
+                    serving = await self._load_lora(run_id, model_dir, backend, version, ckpt)
                 else:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
+                if remote and lora:
+                    serving = await self._adapter_view(run_id, serving, version, ckpt)
                 self._serving[run_id] = serving
         return self._serving[run_id]
+
+    async def _load_lora(
+        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+    ) -> RunServing:
+        """The run's view on the shared base of (`backend`, `model_dir`), loaded if first."""
+        key = (backend, model_dir.resolve())
+        async with self._locks.setdefault(f"base:{key}", asyncio.Lock()):
+            base = self._bases.get(key)
+            if base is None:
+                serving = await asyncio.to_thread(self._load, model_dir, backend, 0, None)
+                if not isinstance(serving.backend, AdapterBackend):
+                    await serving.backend.close()
+                    raise ValueError(f"the {backend} backend cannot serve LoRA adapters")
+                base = self._bases[key] = SharedBase(serving, set())
+            base.runs.add(run_id)
+        try:
+            return await self._adapter_view(run_id, base.serving, version, ckpt, shared=True)
+        except BaseException:
+            await self._release_base(run_id)
+            raise
+
+    async def _adapter_view(
+        self,
+        run_id: str,
+        serving: RunServing,
+        version: int,
+        ckpt: Path | None,
+        *,
+        shared: bool = False,
+    ) -> RunServing:
+        """`serving` seen by one LoRA run: its adapter (version > 0) loaded, its requests
+        routed to it."""
+        if not isinstance(serving.backend, AdapterBackend):
+            await serving.backend.close()
+            raise ValueError(f"run {run_id}: its backend cannot serve LoRA adapters")
+        view = AdapterView(serving.backend, run_id, owns_backend=not shared)
+        if version > 0 and ckpt is not None:
+            if not ckpt.is_dir():
+                raise OSError(f"adapter {ckpt} of version {version} is missing")
+            await view.load_weights(ckpt, version)
+        return RunServing(view, serving.template, serving.max_context)
+
+    async def _release_base(self, run_id: str) -> None:
+        """Drop `run_id` from its shared base; the last run out closes the base."""
+        for key, base in list(self._bases.items()):
+            if run_id not in base.runs:
+                continue
+            async with self._locks.setdefault(f"base:{key}", asyncio.Lock()):
+                base.runs.discard(run_id)
+                if not base.runs and self._bases.get(key) is base:
+                    del self._bases[key]
+                    await base.serving.backend.close()
+                    logger.info("closed the shared base %s (no LoRA run left on it)", key[1])
+
+    def shared_bases(self) -> dict[Path, set[str]]:
+        """Base model directory -> the LoRA runs it serves now."""
+        return {key[1]: set(b.runs) for key, b in self._bases.items()}
 
     def _load(self, model_dir: Path, backend: str, version: int, ckpt: Path | None) -> RunServing:
         # Serve the newest checkpoint directly, so a restarted gateway resumes at its version.
@@ -174,9 +261,13 @@ class BackendPool:
         return serving.backend.replica_status()
 
     async def unload(self, run_id: str) -> None:
+        """Stop serving the run; a LoRA run unloads only its adapter from the shared base."""
         serving = self._serving.pop(run_id, None)
-        if serving is not None:
-            await serving.backend.close()
+        try:
+            if serving is not None:
+                await serving.backend.close()
+        finally:
+            await self._release_base(run_id)
 
     async def close(self) -> None:
         for run_id in list(self._serving):

@@ -108,6 +108,7 @@ class ChatService:
                 run.backend,
                 run.current_version,
                 Path(ckpt) if ckpt else None,
+                lora=run.config.get("lora_rank") is not None,
             )
         except (OSError, ValueError) as exc:
             logger.exception("could not load the model of run %s", run.id)

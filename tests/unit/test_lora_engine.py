@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from inference.lora import read_adapter
+from inference.lora import merge_adapter, read_adapter
 from trainer.batch import Sample, collate
 from trainer.config import LORA_DEFAULT_TARGETS, RunConfig
 from trainer.engine import LocalEngine
-from trainer.lora import is_adapter_dir, merge_adapter
+from trainer.lora import is_adapter_dir
 from trainer.packing import trainable_batch
 
 
