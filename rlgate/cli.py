@@ -162,12 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_runs_create)
 
-    export = sub.add_parser("export", help="write a run's episodes to a JSONL or Parquet file")
+    export = sub.add_parser(
+        "export", help="write a run's episodes to a JSONL or Parquet file, or --merged its model"
+    )
     export.add_argument("--run", required=True, help="run id")
     export.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"])
     export.add_argument("--out", required=True, help="output file (replaced when complete)")
     export.add_argument("--status", default=None, help="only episodes with this status")
     export.add_argument("--min-version", type=int, default=None, help="only newer samples")
+    export.add_argument(
+        "--merged",
+        action="store_true",
+        help="write the model instead: --out is a Hugging Face directory (LoRA merged in)",
+    )
+    export.add_argument("--version", type=int, default=None, help="--merged: default current")
     export.set_defaults(func=_export)
 
     bench = sub.add_parser("bench", help="figures against a baseline; the last line is JSON")

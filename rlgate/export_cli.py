@@ -1,7 +1,10 @@
-"""`rlgate export`: stream a run's episodes from the gateway's admin API into a file.
+"""`rlgate export`: stream a run's episodes (or, `--merged`, its model) from the admin API.
 
 The body goes to a temporary file next to `out` and is renamed over it only
-once complete, so `out` never holds a partial export.
+once complete, so `out` never holds a partial export. `--merged` writes a
+version (default: the current one) as a plain Hugging Face directory: a LoRA
+run's adapter merged into its base model by the gateway, a full fine-tune's
+checkpoint as it is; the tar is unpacked next to `out` and renamed over it.
 """
 
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
@@ -24,6 +30,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     url = os.environ.get("RLGATE_URL", "http://127.0.0.1:8000")
     admin_key = os.environ.get("RLGATE_ADMIN_KEY") or DEV_ADMIN_KEY
+    if args.merged:
+        return export_model(url, admin_key, args.run, Path(args.out), version=args.version)
     return export(
         url,
         admin_key,
@@ -74,6 +82,49 @@ def export(
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     print(f"wrote {_count_episodes(out, fmt)} episodes to {out}")
+    return 0
+
+
+def export_model(
+    url: str, admin_key: str, run_id: str, out: Path, *, version: int | None = None
+) -> int:
+    """Write `version` of the run (default: current) to the directory `out`, merged if LoRA."""
+    base = f"{url.rstrip('/')}/admin/v1/runs/{quote(run_id, safe='')}"
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if version is None:
+            resp = httpx.get(base, headers=headers, timeout=TIMEOUT)
+            if resp.status_code >= 400:
+                print(f"export failed: {_describe(resp)}", file=sys.stderr)
+                return 1
+            version = int(resp.json()["current_version"])
+        endpoint = f"{base}/versions/{version}/checkpoint"
+        tar_path = scratch / "model.tar"
+        params = {"merged": "true"}
+        with httpx.stream("GET", endpoint, params=params, headers=headers, timeout=TIMEOUT) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                print(f"export failed: {_describe(resp)}", file=sys.stderr)
+                return 1
+            with tar_path.open("wb") as f:
+                for chunk in resp.iter_bytes():
+                    f.write(chunk)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(scratch / "x", filter="data")
+        (top,) = (scratch / "x").iterdir()  # one folder, "<run>-v<version>"
+        shutil.rmtree(out, ignore_errors=True)
+        top.rename(out)
+    except httpx.HTTPError as exc:
+        print(f"export failed: cannot read from the gateway at {url}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, tarfile.TarError, ValueError) as exc:
+        print(f"export failed: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"wrote version {version} of {run_id} as a Hugging Face model to {out}")
     return 0
 
 

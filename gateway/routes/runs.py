@@ -9,13 +9,13 @@ why rollback creates a new version instead of rewinding.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import AdminDep, AgentBaseUrlDep
 from gateway.protocol import RunCreate, RunCreated, RunPublic, RunStatusChange, TrainStepPublic
 from gateway.protocol_admin import PolicyVersionPublic, RollbackResult, RunDeleted, RunUpdate
-from gateway.services.admin_runs import tar_stream
+from gateway.services.admin_runs import tar_stream, tar_stream_then_remove
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 
@@ -72,13 +72,24 @@ async def list_versions(run_id: str, request: Request) -> list[PolicyVersionPubl
     responses={200: {"content": {TAR_MEDIA_TYPE: {}}}},
 )
 async def download_checkpoint(
-    run_id: str, request: Request, version: int = Path(ge=0, le=2**31 - 1)
+    run_id: str,
+    request: Request,
+    version: int = Path(ge=0, le=2**31 - 1),
+    merged: bool = Query(False, description="a LoRA version merged into its base model"),
 ) -> StreamingResponse:
-    """The version's checkpoint directory as an uncompressed tar stream."""
-    root = await request.app.state.run_admin.checkpoint_dir(run_id, version)
+    """The version's checkpoint directory as an uncompressed tar stream.
+
+    `merged`: a full HF directory even for a LoRA run (its adapter merged into the base).
+    """
+    admin = request.app.state.run_admin
     name = f"{run_id}-v{version}"
+    if merged:
+        root, scratch = await admin.merged_checkpoint(run_id, version)
+        body = tar_stream_then_remove(root, name) if scratch else tar_stream(root, name)
+    else:
+        body = tar_stream(await admin.checkpoint_dir(run_id, version), name)
     return StreamingResponse(
-        tar_stream(root, name),  # a sync iterator: Starlette reads it in a thread
+        body,  # a sync iterator: Starlette reads it in a thread
         media_type=TAR_MEDIA_TYPE,
         headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
     )

@@ -11,6 +11,11 @@ version N+1 whose weights are a copy of v's and bumps the run to N+1. Versions
 stay monotonic, so the hot swap (which loads any version above the served one)
 and the staleness bound (measured in versions) keep working unchanged; the
 copied checkpoint carries a `ROLLBACK.json` marker naming v.
+
+A LoRA run's versions are adapters; its version 0 is the base model itself,
+which a LoRA run cannot roll back to (there is no adapter to serve or train
+on). `merged_checkpoint` gives any version as a full HF directory: a LoRA
+adapter is merged into its base in a scratch directory the caller removes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import logging
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +49,7 @@ from gateway.store.runs import (
     policy_versions,
 )
 from gateway.store.steps import done_steps, step_in_flight
+from inference.lora import ADAPTER_CONFIG, merge_adapter
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -140,10 +147,39 @@ class RunAdmin:
             )
         return Path(path)
 
+    async def merged_checkpoint(self, run_id: str, version: int) -> tuple[Path, bool]:
+        """(a full HF directory of `version`, whether it is a scratch copy to remove after use).
+
+        A LoRA adapter is merged into the run's base model; any other checkpoint is
+        already a full model and is given as it is.
+        """
+        source = await self.checkpoint_dir(run_id, version)
+        if not (source / ADAPTER_CONFIG).is_file():
+            return source, False
+        async with self.sessions() as s:
+            base = Path((await _get(s, run_id)).model_path)
+        scratch = Path(tempfile.mkdtemp(prefix=f"merged-{run_id}-v{version}-"))
+        try:
+            await asyncio.to_thread(merge_adapter, base, source, scratch / "model")
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+            raise
+        logger.info("merged run %s v%d into its base for export", run_id, version)
+        return scratch / "model", True
+
     async def rollback(self, run_id: str, version: int) -> RollbackResult:
         source = await self.checkpoint_dir(run_id, version)
         async with self.sessions() as s:
             run = await _get(s, run_id)
+            if (
+                RunConfig.model_validate(run.config).lora
+                and not (source / ADAPTER_CONFIG).is_file()
+            ):
+                raise InvalidRequest(
+                    f"version {version} of a LoRA run is its base model, not an adapter: "
+                    "roll back to a trained version (1 or later)",
+                    param="version",
+                )
             if await step_in_flight(s, run_id) is not None:
                 raise Conflict(
                     "a train step is in flight: pause the run and retry once it ends",
@@ -194,6 +230,14 @@ def _copy_checkpoint(source: Path, target: Path, version: int) -> None:
     (partial / ROLLBACK_MARKER).write_text(json.dumps({"rolled_back_from": version}))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+
+
+def tar_stream_then_remove(root: Path, arcname: str) -> Iterator[bytes]:
+    """`tar_stream` of a scratch directory, removed (with its parent) once sent or abandoned."""
+    try:
+        yield from tar_stream(root, arcname)
+    finally:
+        shutil.rmtree(root.parent, ignore_errors=True)
 
 
 def tar_stream(root: Path, arcname: str, chunk: int = 1 << 20) -> Iterator[bytes]:

@@ -20,6 +20,7 @@ from gateway.store.replicas import replica_urls
 from gateway.store.runs import list_runs
 from gateway.store.steps import run_steps
 from inference import registry
+from inference.lora import missing_lora_targets
 from inference.models import resolve_model
 from trainer.config import RunConfig
 from trainer.engine_check import engine_unavailable
@@ -45,6 +46,9 @@ class RunService:
         except ValidationError as exc:
             first = exc.errors()[0]
             param = "config." + ".".join(str(p) for p in first["loc"]) if first["loc"] else "config"
+            if not first["loc"]:  # a cross-field check: its message starts with the option
+                option = str(first.get("ctx", {}).get("error", "")).split(" ", 1)[0]
+                param = f"config.{option}" if option in RunConfig.model_fields else param
             raise InvalidRequest(f"{param}: {first['msg']}", param=param) from exc
         if self.local_trainer and (reason := engine_unavailable(cfg.engine)):
             raise InvalidRequest(f"config.engine: {reason}", param="config.engine")
@@ -52,6 +56,16 @@ class RunService:
             model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequest(str(exc), param="model") from exc
+        if cfg.lora:
+            missing = await asyncio.to_thread(
+                missing_lora_targets, model_dir, cfg.resolved_lora_targets()
+            )
+            if missing:
+                raise InvalidRequest(
+                    f"config.lora_target_modules: {body.model} has no Linear layer named "
+                    f"{', '.join(missing)}",
+                    param="config.lora_target_modules",
+                )
         if body.replicas and body.backend not in registry.remote_names():
             kinds = " or ".join(registry.remote_names())
             raise InvalidRequest(f"replicas need backend {kinds}", param="replicas")
@@ -103,7 +117,20 @@ class RunService:
     TRANSITIONS = {"pause": ("active", "paused"), "resume": ("paused", "active")}
 
     async def set_status(self, run_id: str, action: str) -> str:
-        """pause (active -> paused), resume (paused -> active), stop (any -> stopped, final)."""
+        """pause (active -> paused), resume (paused -> active), stop (any -> stopped, final).
+
+        Pausing freezes the run where it is (no step trains, agent calls get 429), a LoRA
+        run's adapter included. Stopping a LoRA run also unloads its adapter, after the
+        batch generating now; the shared base and every other run's adapter stay.
+        """
+        status = await self._set_status(run_id, action)
+        if status == "stopped":
+            run = await self.get(run_id)
+            if RunConfig.model_validate(run.config).lora:
+                await self.pool.unload(run_id)
+        return status
+
+    async def _set_status(self, run_id: str, action: str) -> str:
         async with self.sessions.begin() as s:
             run = await s.get(Run, run_id)
             if run is None:
