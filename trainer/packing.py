@@ -24,6 +24,21 @@ The position before a sample's first token belongs to the previous sample,
 so a sample's first token is never trained (its loss-mask entry is zeroed;
 it is a prompt token in every sample the gateway builds). The padded path
 zeroes the same column, see `trainable_batch`.
+
+**Shared prefixes.** The samples of a GRPO group share their prompt, and
+an agent's prompts share a system prompt and tool list; the prompt is most
+of every sequence. `pack` stores a prefix once: a sample whose first `n`
+ids equal those of a sample already in the row becomes a *branch* segment
+that holds only its ids from `n - 1` on and attends to the untouched prefix
+through the mask. Its first id is a copy of id `n - 1` at the same position
+with the same context, so its hidden state is the one the shared row
+computes there and it predicts id `n` exactly as a padded row would. The
+branch's own ids up to `n - 1` are never trained, so nothing it trains is
+lost: sharing stops at a sample's first trained id. Branches may nest (a
+group's prompt branching off a system prompt another group also used); a
+position sees its own segment causally and, in each ancestor segment, the
+ids before the point where its path leaves that ancestor. Logprobs, loss
+and gradient equal the unshared row's (tested); only the work shrinks.
 """
 
 from __future__ import annotations
@@ -43,7 +58,7 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [1, 1, T, T] block-diagonal causal, 0 / -inf
     loss_mask: torch.Tensor  # [1, T] 1 on trained tokens, 0 at every sample start
     temperatures: torch.Tensor  # [1, T]
-    seq_lens: list[int]
+    seq_lens: list[int]  # ids each segment holds (a whole sample unless it branches)
     padded: Batch  # the same samples right-padded [S, L]: old logprobs, advantages, loss mask
     scatter_index: torch.Tensor  # [T] flat index into [S * L] of each packed position
 
@@ -67,38 +82,122 @@ def trainable_batch(batch: Batch) -> Batch:
 
 def block_causal_mask(seq_lens: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[1, 1, T, T] additive mask: position q may see k iff k <= q and both are in one sample."""
-    lens = torch.tensor(list(seq_lens), dtype=torch.long)
-    seq_id = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pos = torch.arange(len(seq_id))
-    allowed = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
+    whole = [Segment(i, 0, None) for i in range(len(seq_lens))]
+    return _additive(_segment_allowed(whole, seq_lens), dtype)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one sample that a packed row holds.
+
+    `start` is the sample index of its first id; `parent` the segment (by
+    index) whose ids before `start` it shares, None for a whole sample.
+    """
+
+    sample: int
+    start: int
+    parent: int | None
+
+
+def _first_trained(s: Sample) -> int:
+    return next((i for i, m in enumerate(s.loss_mask) if m), len(s.input_ids))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
+
+def plan_segments(samples: Sequence[Sample], *, share_prefix: bool = True) -> list[Segment]:
+    """One segment per sample; with `share_prefix`, a branch off the longest shared prefix.
+
+    A sample shares at most up to its first trained id, and only when that
+    saves at least one id (a common prefix of two or more).
+    """
+    segments: list[Segment] = []
+    for i, s in enumerate(samples):
+        best, shared = None, 0
+        if share_prefix:
+            limit = _first_trained(s)
+            for j, seg in enumerate(segments):
+                n = _common_prefix(samples[seg.sample].input_ids, s.input_ids, limit)
+                if n > shared:
+                    best, shared = j, n
+        if best is None or shared < 2:
+            segments.append(Segment(i, 0, None))
+            continue
+        # the branch copies id shared-1; the segment that holds it (or an ancestor) is the parent
+        while segments[best].start > shared - 1:
+            best = segments[best].parent
+        segments.append(Segment(i, shared - 1, best))
+    return segments
+
+
+def _segment_allowed(segments: Sequence[Segment], lens: Sequence[int]) -> torch.Tensor:
+    """[T, T] bool: causal inside a segment, plus each ancestor's ids before the path's cut."""
+    lens_t = torch.tensor(list(lens), dtype=torch.long)
+    seg_id = torch.repeat_interleave(torch.arange(len(lens_t)), lens_t)
+    idx = torch.arange(len(seg_id))
+    allowed = (seg_id[:, None] == seg_id[None, :]) & (idx[:, None] >= idx[None, :])
+    offsets = [0, *torch.cumsum(lens_t, 0).tolist()]
+    for q, seg in enumerate(segments):
+        cut, node = seg.start, seg.parent
+        while node is not None:
+            # the ancestor holds sample ids start.. in order: the first `cut - start` are visible
+            parent = segments[node]
+            visible = cut - parent.start
+            allowed[offsets[q] : offsets[q + 1], offsets[node] : offsets[node] + visible] = True
+            cut, node = parent.start, parent.parent
+    return allowed
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # -inf is safe: every row keeps its diagonal, so no softmax row is all -inf
     mask = torch.full(allowed.shape, float("-inf"), dtype=dtype).masked_fill_(allowed, 0.0)
     return mask[None, None]
 
 
-def pack(samples: Sequence[Sample], pad_id: int, dtype: torch.dtype = torch.float32) -> PackedBatch:
-    """One packed row for `samples`; `dtype` is the attention compute dtype (the mask's)."""
+def pack(
+    samples: Sequence[Sample],
+    pad_id: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    share_prefix: bool = True,
+) -> PackedBatch:
+    """One packed row for `samples`; `dtype` is the attention compute dtype (the mask's).
+
+    With `share_prefix` (the default) prefixes shared with an earlier sample
+    are held once, see the module docstring.
+    """
     if not samples:
         raise ValueError("pack() needs at least one sample")
-    lens = [len(s.input_ids) for s in samples]
-    ids, pos, mask, temps = [], [], [], []
-    for s in samples:
-        ids.extend(s.input_ids)
-        pos.extend(range(len(s.input_ids)))
-        mask.extend([0, *s.loss_mask[1:]])
-        temps.extend(s.temperatures)
+    segments = plan_segments(samples, share_prefix=share_prefix)
+    ids, pos, mask, temps, lens = [], [], [], [], []
     padded = trainable_batch(collate(list(samples), pad_id))
     width = padded.input_ids.shape[1]
-    scatter = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lens)])
+    scatter = []
+    for seg in segments:
+        s, a = samples[seg.sample], seg.start
+        n = len(s.input_ids) - a
+        ids.extend(s.input_ids[a:])
+        pos.extend(range(a, a + n))
+        mask.extend([0, *s.loss_mask[a + 1 :]])
+        temps.extend(s.temperatures[a:])
+        lens.append(n)
+        scatter.append(torch.arange(a, a + n) + seg.sample * width)
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long),
         position_ids=torch.tensor([pos], dtype=torch.long),
-        attention_mask=block_causal_mask(lens, dtype),
+        attention_mask=_additive(_segment_allowed(segments, lens), dtype),
         loss_mask=torch.tensor([mask], dtype=torch.float32),
         temperatures=torch.tensor([temps], dtype=torch.float32),
         seq_lens=lens,
         padded=padded,
-        scatter_index=scatter,
+        scatter_index=torch.cat(scatter),
     )
 
 

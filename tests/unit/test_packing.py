@@ -14,10 +14,12 @@ from trainer.engine import LocalEngine
 from trainer.logprobs import PolicyLogits, token_logprobs
 from trainer.losses.ppo import ppo_clip_loss
 from trainer.packing import (
+    Segment,
     block_causal_mask,
     greedy_pack_groups,
     pack,
     padded_groups,
+    plan_segments,
     trainable_batch,
 )
 
@@ -171,3 +173,125 @@ def test_without_the_block_mask_samples_would_see_each_other(tiny_model_dir: Pat
         crossed = pb.unpack(logp)
     torch.testing.assert_close(leaky, ref, atol=1e-5, rtol=0)
     assert (crossed - ref).abs().max() > 1e-3
+
+
+# --- shared prefixes --------------------------------------------------------------------
+
+
+def _grouped_samples(vocab: int, seed: int = 0) -> list[Sample]:
+    """Two groups of GRPO samples behind one system prompt, plus a multi-turn sample.
+
+    The multi-turn sample repeats group A's prompt but trains a token inside it
+    (an earlier assistant turn), so it may share only up to that token.
+    """
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    system = ids(6)
+    out = []
+    for _ in range(2):
+        prompt = system + ids(rng.randint(4, 9))
+        for _ in range(3):
+            completion = ids(rng.randint(2, 7))
+            adv, temp = rng.choice([-1.0, 0.5, 2.0]), rng.choice([1.0, 0.7])
+            out.append(_sample(prompt + completion, len(prompt), adv, temp))
+    first = out[0]
+    n_prompt = first.loss_mask.index(1)
+    turn = first.input_ids[:n_prompt] + ids(5)
+    mask = [0] * len(turn)
+    mask[8] = 1  # a trained id inside the shared prompt
+    mask[-3:] = [1, 1, 1]
+    out.append(
+        Sample(
+            input_ids=turn,
+            loss_mask=mask,
+            old_logprobs=[-4.0 if m else 0.0 for m in mask],
+            advantages=[1.5 if m else 0.0 for m in mask],
+            temperatures=[1.0] * len(turn),
+            min_version=0,
+        )
+    )
+    return out
+
+
+def test_a_group_stores_its_prompt_once() -> None:
+    prompt = [5, 6, 7, 8]
+    samples = [_sample([*prompt, 9, 10], 4), _sample([*prompt, 11], 4), _sample([1, 2, 3], 1)]
+    pb = pack(samples, pad_id=0)
+    # the branch holds a copy of the last shared id (8, at position 3) and its own answer
+    assert pb.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 8, 11, 1, 2, 3]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2]]
+    assert pb.seq_lens == [6, 2, 3]
+    assert pb.loss_mask.tolist() == [[0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1]]
+    allowed = (pb.attention_mask[0, 0] == 0).int()
+    assert allowed[6].tolist() == [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0]  # the prefix, then itself
+    assert allowed[7].tolist() == [1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0]
+    assert allowed[8].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]  # unrelated: its own only
+    back = pb.unpack(pb.input_ids.float())
+    assert back.tolist() == [[5, 6, 7, 8, 9, 10], [0, 0, 0, 8, 11, 0], [1, 2, 3, 0, 0, 0]]
+    unshared = pack(samples, pad_id=0, share_prefix=False)
+    assert unshared.num_tokens == 14 and pb.num_tokens == 11
+
+
+def test_branches_nest_and_stop_at_the_first_trained_id() -> None:
+    vocab = 64
+    samples = _grouped_samples(vocab)
+    segments = plan_segments(samples)
+    assert [s.parent for s in segments[:3]] == [None, 0, 0]  # group A under its first sample
+    assert segments[3].parent == 0 and segments[3].start == 5  # group B: the system prompt
+    assert [s.parent for s in segments[4:6]] == [3, 3]  # B's prompt, nested under B's first
+    assert segments[6].parent == 0 and segments[6].start == 7  # shares up to its trained id 8
+    assert plan_segments(samples, share_prefix=False) == [
+        Segment(i, 0, None) for i in range(len(samples))
+    ]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_packing_gives_the_padded_logprobs_entropy_loss_and_gradient(
+    tiny_model_dir: Path, attn: str
+) -> None:
+    policy = _policy(tiny_model_dir, attn)
+    pad_id = policy.lm.config.pad_token_id
+    samples = _grouped_samples(policy.lm.config.vocab_size, seed=3)
+    shared = pack(samples, pad_id)
+    assert shared.num_tokens < pack(samples, pad_id, share_prefix=False).num_tokens * 0.7
+    results = []
+    for packed in (False, True):
+        policy.zero_grad(set_to_none=True)
+        if packed:
+            logp, ent = token_logprobs(
+                policy,
+                shared.input_ids,
+                shared.attention_mask,
+                shared.position_ids,
+                shared.loss_mask,
+                shared.temperatures,
+                with_entropy=True,
+            )
+            logp, ent, batch = shared.unpack(logp), shared.unpack(ent), shared.padded
+        else:
+            batch = trainable_batch(collate(samples, pad_id))
+            logp, ent = token_logprobs(
+                policy,
+                batch.input_ids,
+                batch.attention_mask,
+                None,
+                batch.loss_mask,
+                batch.temperatures,
+                with_entropy=True,
+            )
+        loss, _ = ppo_clip_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask)
+        loss.backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+        results.append((logp.detach(), ent.detach(), batch.loss_mask, loss.item(), grads))
+    (lp0, e0, m0, l0, g0), (lp1, e1, m1, l1, g1) = results
+    assert torch.equal(m0, m1)
+    assert int(m0.sum()) > 20
+    torch.testing.assert_close(lp1 * m1, lp0 * m0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(e1 * m1, e0 * m0, atol=1e-5, rtol=0)
+    assert l1 == pytest.approx(l0, abs=1e-5)
+    assert len(g0) == len(g1) > 2
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
