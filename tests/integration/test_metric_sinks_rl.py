@@ -103,7 +103,9 @@ def test_wandb_and_mlflow_hold_the_step_rows_and_a_failing_sink_leaves_the_step_
                 _play_two_groups(root, run["api_key"], version=step)
                 _wait_served(stack, run["run_id"], step + 1)
             finally:
-                stop(worker)  # a warm shutdown: the worker closes its tracker runs
+                # Version N is served once committed, maybe before the step's sinks ran: a
+                # warm shutdown lets the task finish them, then the worker closes its trackers.
+                stop(worker, timeout_s=180)
         with stack.admin() as admin:
             rows = admin.get(f"/admin/v1/runs/{run['run_id']}/steps").json()
     finally:
