@@ -20,6 +20,7 @@ from trainer.batch import Batch, Sample
 from trainer.engine_base import Engine, read_optimizer_file, save_optimizer_file
 from trainer.hf_io import publish_checkpoint
 from trainer.logprobs import Forward, PolicyLogits, hf_forward, token_logprobs
+from trainer.packing import packed_length
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,13 @@ class LocalEngine(Engine):
         )
 
     def forward(self, chunk: list[Sample]) -> Forward:
-        return hf_forward(self.policy, self.reference, chunk, self.pad_id, torch.device("cpu"))
+        # One packed row, a group's shared prompt held once, while its [T, T] mask stays
+        # within `parallel.pack_tokens`; longer micro-batches take the padded layout.
+        par = self.cfg.parallel
+        packing = par.packing and packed_length(chunk) <= par.pack_tokens
+        return hf_forward(
+            self.policy, self.reference, chunk, self.pad_id, torch.device("cpu"), packing=packing
+        )
 
     def trained_parameters(self) -> Iterable[nn.Parameter]:
         return self.trainable(self.model.parameters())

@@ -137,6 +137,12 @@ def plan_segments(samples: Sequence[Sample], *, share_prefix: bool = True) -> li
     return segments
 
 
+def packed_length(samples: Sequence[Sample], *, share_prefix: bool = True) -> int:
+    """How many ids `pack` puts in the row for `samples` (its mask is that squared)."""
+    segments = plan_segments(samples, share_prefix=share_prefix)
+    return sum(len(samples[seg.sample].input_ids) - seg.start for seg in segments)
+
+
 def _segment_allowed(segments: Sequence[Segment], lens: Sequence[int]) -> torch.Tensor:
     """[T, T] bool: causal inside a segment, plus each ancestor's ids before the path's cut."""
     lens_t = torch.tensor(list(lens), dtype=torch.long)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer import logprobs as trainer_logprobs
 from trainer.batch import Sample, collate
 from trainer.config import RunConfig
 from trainer.engine import LocalEngine
@@ -18,6 +19,7 @@ from trainer.packing import (
     block_causal_mask,
     greedy_pack_groups,
     pack,
+    packed_length,
     padded_groups,
     plan_segments,
     trainable_batch,
@@ -295,3 +297,31 @@ def test_shared_prefix_packing_gives_the_padded_logprobs_entropy_loss_and_gradie
     assert len(g0) == len(g1) > 2
     for a, b in zip(g0, g1, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_local_engine_packs_within_the_budget_and_pads_beyond(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded trainer's forward: the packed row (shared prefixes) or, past
+    `parallel.pack_tokens`, the padded layout; both give the same logprobs."""
+    packed_rows: list[int] = []
+    real_pack = trainer_logprobs.pack
+
+    def spy(*args, **kwargs):
+        pb = real_pack(*args, **kwargs)
+        packed_rows.append(pb.num_tokens)
+        return pb
+
+    monkeypatch.setattr(trainer_logprobs, "pack", spy)
+    out = {}
+    for budget in (1024, 8):
+        engine = LocalEngine(tiny_model_dir, 0, RunConfig(parallel={"pack_tokens": budget}))
+        engine.model.eval()
+        samples = _grouped_samples(engine.model.config.vocab_size, seed=4)
+        with torch.no_grad():
+            fwd = engine.forward(samples)
+        out[budget] = fwd.logp * fwd.batch.loss_mask
+    # one packed row, shorter than the samples laid end to end; the small budget padded
+    assert packed_rows == [packed_length(samples)]
+    assert packed_rows[0] < sum(len(s.input_ids) for s in samples)
+    torch.testing.assert_close(out[1024], out[8], atol=1e-5, rtol=0)
