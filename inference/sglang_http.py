@@ -17,6 +17,14 @@ Parameters", "Native APIs", "SGLang for RL Systems"; `io_struct.py`):
   (``model_path``, ``weight_version``; answers ``success``, ``message``),
   ``POST /continue_generation``: the documented order for a weight update.
 * ``GET /health``.
+* LoRA adapters (server started with ``--enable-lora``, ``--max-lora-rank``,
+  ``--lora-target-modules``): ``POST /load_lora_adapter`` (``lora_name``,
+  ``lora_path``) and ``POST /unload_lora_adapter`` (``lora_name``), each
+  answering ``success`` and ``error_message`` (400 when it failed); a
+  ``/generate`` request samples with an adapter when ``lora_path`` names it.
+  SGLang has no in-place reload: replacing an adapter is an unload, then a
+  load under the same name (which SGLang gives a fresh internal id, so
+  nothing cached for the old weights is reused).
 
 Hot swap follows `inference.http_backend.HttpBackend`'s ordering contract
 (including its drain timeout: stragglers are aborted, then the swap goes on).
@@ -24,6 +32,7 @@ Hot swap follows `inference.http_backend.HttpBackend`'s ordering contract
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -50,13 +59,16 @@ def generate_payload(request: GenerateRequest, stream: bool) -> dict[str, Any]:
         sampling["stop"] = list(p.stop)
     if p.seed is not None:
         sampling["sampling_seed"] = p.seed
-    return {
+    body: dict[str, Any] = {
         "input_ids": list(request.prompt_token_ids),
         "sampling_params": sampling,
         "return_logprob": True,
         "logprob_start_len": -1,
         "stream": stream,
     }
+    if request.adapter is not None:
+        body["lora_path"] = request.adapter  # a loaded adapter's name, despite the field's name
+    return body
 
 
 def token_logprobs(meta: dict[str, Any]) -> list[tuple[int, float]]:
@@ -122,8 +134,30 @@ class SGLangBackend(HttpBackend):
     async def _resume(self) -> None:
         await self._control("/continue_generation", json={})
 
+    async def _load_adapter(self, name: str, adapter_dir: Path, replace: bool) -> None:
+        if replace:  # no in-place reload in SGLang: not atomic (HttpBackend forgets it on failure)
+            # A server that restarted no longer has it; any other failure fails the load below.
+            with contextlib.suppress(BackendError):
+                await self._unload_adapter(name)
+        await self._lora_call(
+            "/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}
+        )
+
+    async def _unload_adapter(self, name: str) -> None:
+        await self._lora_call("/unload_lora_adapter", {"lora_name": name})
+
+    async def _lora_call(self, path: str, body: dict[str, Any]) -> None:
+        resp = await self._control(path, json=body)
+        answer = json_body(resp, f"SGLang {path}") if resp.content else None
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise BackendError(f"SGLang {path} failed: {answer}")
+
 
 def server_command(cfg: ServerConfig) -> list[str]:
     """`sglang.launch_server` with the flags this backend relies on."""
     cmd = base_command(cfg, "sglang.launch_server", "--model-path", "--context-length")
-    return [*cmd, "--skip-tokenizer-init"]  # token ids in, token ids out
+    cmd.append("--skip-tokenizer-init")  # token ids in, token ids out
+    if cfg.enable_lora:  # adapters come at runtime, so rank and modules cannot be inferred
+        cmd += ["--enable-lora", "--max-loras-per-batch", str(cfg.max_loras)]
+        cmd += ["--max-lora-rank", str(cfg.max_lora_rank), "--lora-target-modules", "all"]
+    return cmd

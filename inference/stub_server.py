@@ -4,17 +4,21 @@ This is not vLLM or SGLang. It was written from their documented HTTP APIs
 and implements only the subset rlgate uses, with no model behind it:
 
 * ``--flavor vllm``: ``POST /v1/completions`` (token-id ``prompt``,
-  ``return_token_ids``, ``logprobs``, ``stream``), ``GET /v1/models``,
-  ``GET /health``, ``POST /pause``, ``POST /resume``,
-  ``POST /collective_rpc`` with method ``reload_weights``,
-  ``POST /update_weight_version``.
+  ``return_token_ids``, ``logprobs``, ``stream``; ``model`` the served model
+  or a loaded adapter's name), ``GET /v1/models``, ``GET /health``,
+  ``POST /pause``, ``POST /resume``, ``POST /collective_rpc`` with method
+  ``reload_weights``, ``POST /update_weight_version``, and (unless
+  ``--no-lora``) ``POST /v1/load_lora_adapter`` (``lora_name``,
+  ``lora_path``, ``load_inplace``), ``POST /v1/unload_lora_adapter``.
 * ``--flavor sglang``: ``POST /generate`` (``input_ids``, ``sampling_params``,
-  ``return_logprob``, ``stream``), ``GET /health``, ``GET /get_model_info``,
-  ``POST /pause_generation``, ``POST /continue_generation``,
-  ``POST /update_weights_from_disk``.
+  ``return_logprob``, ``stream``, ``lora_path`` naming a loaded adapter),
+  ``GET /health``, ``GET /get_model_info``, ``POST /pause_generation``,
+  ``POST /continue_generation``, ``POST /update_weights_from_disk``,
+  ``POST /load_lora_adapter``, ``POST /unload_lora_adapter``.
 
 Output is deterministic: token i of a request is a function of the prompt,
-i and the weights version; its logprob likewise. Each request waits
+i, the weights version and the adapter it names (its name and directory,
+`adapter_salt`); its logprob likewise. Each request waits
 ``--latency-ms`` before its first token and ``--token-latency-ms`` between
 tokens. With ``--max-running N`` a request beyond N in flight is answered
 429 (vLLM's overload answer; 0 refuses every request). A weight reload
@@ -35,13 +39,14 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class StubConfig:
     version: int = 0  # weights version served at start
     incremental_streaming_output: bool = False  # sglang: stream only new tokens per event
     max_running: int = -1  # requests in flight beyond this get 429 (-1: no limit)
+    lora: bool = True  # vllm: serve the runtime LoRA routes (as with VLLM_ALLOW_RUNTIME_LORA_...)
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -84,6 +90,8 @@ class StubState:
         self.requests = 0
         self.in_flight = 0
         self.reloads = 0
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> directory
+        self.adapter_loads = 0
 
     def overloaded(self) -> JSONResponse | None:
         """The 429 a full server answers, when `max_running` requests are already in flight."""
@@ -92,13 +100,21 @@ class StubState:
             return JSONResponse({"error": {"message": message, "code": 429}}, 429)
         return None
 
-    def token(self, prompt: list[int], i: int) -> tuple[int, float]:
+    def token(self, prompt: list[int], i: int, salt: int = 0) -> tuple[int, float]:
+        """Token i for `prompt` (`salt`: the adapter's `adapter_salt`, 0 for the base model)."""
         span = self.cfg.vocab_size - self.cfg.token_base
-        seed = (sum(prompt) * 31 + len(prompt) * 17 + i * 7 + self.version * 13) % span
+        seed = (sum(prompt) * 31 + len(prompt) * 17 + i * 7 + self.version * 13 + salt) % span
         return self.cfg.token_base + seed, -0.05 * (1 + (seed % 9))
 
+    def salt_of(self, adapter: str | None) -> int | None:
+        """The salt of a loaded adapter (0 for none); None if `adapter` is not loaded."""
+        if adapter is None:
+            return 0
+        path = self.adapters.get(adapter)
+        return None if path is None else adapter_salt(adapter, path)
+
     async def sample(
-        self, prompt: list[int], max_tokens: int, stop_ids: set[int]
+        self, prompt: list[int], max_tokens: int, stop_ids: set[int], salt: int = 0
     ) -> AsyncIterator[tuple[int, float, str | None]]:
         """(token, logprob, finish reason on the last token) with the configured latencies."""
         await self.resumed.wait()
@@ -110,7 +126,7 @@ class StubState:
             for i in range(n):
                 if i and self.cfg.token_latency_ms:
                     await asyncio.sleep(self.cfg.token_latency_ms / 1000)
-                tok, lp = self.token(prompt, i)
+                tok, lp = self.token(prompt, i, salt)
                 finish = "stop" if tok in stop_ids else ("length" if i == n - 1 else None)
                 yield tok, lp, finish
                 if finish:
@@ -123,6 +139,16 @@ class StubState:
         self.reloads += 1
         self.weights_path = path
         logger.info("stub reloaded weights from %s: version %d", path, self.version)
+
+
+def adapter_salt(name: str, path: str) -> int:
+    """What an adapter changes in the stand-in's tokens: a function of its name and directory."""
+    return zlib.crc32(f"{name}\n{path}".encode()) % 9973 + 1
+
+
+def error(message: str, status: int, kind: str = "BadRequestError") -> JSONResponse:
+    """An OpenAI-style error answer, as vLLM gives it."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 def text_of(tok: int) -> str:
@@ -149,6 +175,8 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
             "requests": state.requests,
             "in_flight": state.in_flight,
             "reloads": state.reloads,
+            "adapters": state.adapters,
+            "adapter_loads": state.adapter_loads,
         }
 
 
@@ -158,7 +186,14 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": cfg.model, "object": "model", "owned_by": "stub"}
-        return {"object": "list", "data": [{**card, "max_model_len": cfg.max_model_len}]}
+        loras = [
+            {"id": name, "object": "model", "root": path, "parent": cfg.model}
+            for name, path in state.adapters.items()
+        ]
+        return {"object": "list", "data": [{**card, "max_model_len": cfg.max_model_len}, *loras]}
+
+    if cfg.lora:
+        add_vllm_lora_routes(app, state)
 
     @app.post("/pause")
     async def pause() -> JSONResponse:
@@ -191,10 +226,11 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
         body = await request.json()
         prompt = body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            return JSONResponse(
-                {"error": {"message": "stub: prompt must be a list of token ids", "code": 400}},
-                400,
-            )
+            return error("stub: prompt must be a list of token ids", 400)
+        model = body.get("model")
+        salt = 0 if model in (None, cfg.model) else state.salt_of(model)
+        if salt is None:
+            return error(f"The model `{model}` does not exist.", 404, "NotFoundError")
         max_tokens = int(body.get("max_tokens") or 16)
         stop_ids = set(body.get("stop_token_ids") or [])
         want_lp = body.get("logprobs") is not None
@@ -235,7 +271,7 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
 
             async def events() -> AsyncIterator[str]:
                 first = True
-                async for tok, lp, finish in state.sample(prompt, max_tokens, stop_ids):
+                async for tok, lp, finish in state.sample(prompt, max_tokens, stop_ids, salt):
                     yield sse(envelope(choice([(tok, lp)], finish, first)))
                     first = False
                 yield "data: [DONE]\n\n"
@@ -243,10 +279,33 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
         toks: list[tuple[int, float]] = []
         finish = "length"
-        async for tok, lp, fin in state.sample(prompt, max_tokens, stop_ids):
+        async for tok, lp, fin in state.sample(prompt, max_tokens, stop_ids, salt):
             toks.append((tok, lp))
             finish = fin or finish
         return envelope(choice(toks, finish, True), usage(len(toks)))
+
+
+def add_vllm_lora_routes(app: FastAPI, state: StubState) -> None:
+    """vLLM's runtime LoRA API (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), with its error answers."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Any:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return error("Both 'lora_name' and 'lora_path' must be provided.", 400)
+        if name in state.adapters and not body.get("load_inplace"):
+            return error(f"The lora adapter '{name}' has already been loaded.", 400)
+        state.adapters[name] = path
+        state.adapter_loads += 1
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Any:
+        name = (await request.json()).get("lora_name")
+        if state.adapters.pop(name, None) is None:
+            return error(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def add_sglang_routes(app: FastAPI, state: StubState) -> None:
@@ -276,6 +335,29 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
         msg = "Succeeded to update model weights."
         return JSONResponse({"success": True, "message": msg, "num_paused_requests": 0})
 
+    def lora_answer(success: bool, message: str = "") -> JSONResponse:
+        body = {"success": success, "error_message": message, "loaded_adapters": state.adapters}
+        return JSONResponse(body, 200 if success else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return lora_answer(False, "lora_name and lora_path are required")
+        if name in state.adapters:
+            return lora_answer(False, f"LoRA adapter {name} is already loaded")
+        state.adapters[name] = path
+        state.adapter_loads += 1
+        return lora_answer(True)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        name = (await request.json()).get("lora_name")
+        if state.adapters.pop(name, None) is None:
+            return lora_answer(False, f"LoRA adapter {name} is not loaded")
+        return lora_answer(True)
+
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         if (full := state.overloaded()) is not None:
@@ -284,6 +366,9 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
         ids = body.get("input_ids")
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
             return JSONResponse({"error": {"message": "stub: input_ids required"}}, 400)
+        salt = state.salt_of(body.get("lora_path"))
+        if salt is None:
+            return error(f"LoRA adapter {body['lora_path']!r} is not loaded", 400)
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens") or 128)
         stop_ids = set(sp.get("stop_token_ids") or [])
@@ -314,7 +399,7 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
 
             async def events() -> AsyncIterator[str]:
                 toks: list[tuple[int, float]] = []
-                async for tok, lp, finish in state.sample(ids, max_new, stop_ids):
+                async for tok, lp, finish in state.sample(ids, max_new, stop_ids, salt):
                     toks.append((tok, lp))
                     # cumulative by default, as SGLang streams; or only the new token
                     since = len(toks) - 1 if cfg.incremental_streaming_output else 0
@@ -324,7 +409,7 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
         toks = []
         finish = "length"
-        async for tok, lp, fin in state.sample(ids, max_new, stop_ids):
+        async for tok, lp, fin in state.sample(ids, max_new, stop_ids, salt):
             toks.append((tok, lp))
             finish = fin or finish
         return payload(toks, finish)
@@ -400,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--max-running", type=int, default=-1)
+    parser.add_argument("--no-lora", dest="lora", action="store_false", help="vllm: no LoRA API")
     args = parser.parse_args(argv)
     import uvicorn
 

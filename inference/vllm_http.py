@@ -19,6 +19,21 @@ the server calls are `/pause?mode=wait&clear_cache=true` (which also drains
 requests from other clients and clears the prefix cache, whose KV was
 computed by the old weights), `/collective_rpc` `reload_weights` (in place),
 `/update_weight_version` (informative) and `/resume`.
+
+LoRA adapters (vLLM's runtime LoRA API; the server runs with `--enable-lora`
+and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, which `rlgate inference serve
+--enable-lora` sets). A request for adapter `name` is sent with
+`"model": name`. `load_adapter` posts `/v1/load_lora_adapter` with
+`load_inplace: true`: vLLM (0.32) then keeps the adapter's LoRA int id,
+loads the new weights first and swaps them for the old ones in its adapter
+cache, so a failed load leaves the old adapter served. Its prefix cache keys
+an adapter's blocks by (name, path), not by weights: a reload from a new
+directory (what rlgate's checkpoints are, one per version) never reuses the
+old weights' KV, but a reload from the directory already served would. That
+case pauses the server with its prefix cache cleared, as a weight swap
+does. `/v1/unload_lora_adapter` only removes the name from vLLM's API
+server: the engine keeps the weights cached until its LRU (`--max-cpu-loras`,
+default `--max-loras`) evicts them.
 """
 
 from __future__ import annotations
@@ -40,10 +55,13 @@ REQUIRED_SERVER_ARGS = ("--logprobs-mode", "processed_logprobs", "--generation-c
 
 
 def completion_body(model: str, request: GenerateRequest, stream: bool) -> dict[str, Any]:
-    """The `/v1/completions` body for one request (vLLM's extensions after `logprobs`)."""
+    """The `/v1/completions` body for one request (vLLM's extensions after `logprobs`).
+
+    `model` is the served base model's name; a request naming an adapter names it instead.
+    """
     p = request.params
     body: dict[str, Any] = {
-        "model": model,
+        "model": request.adapter or model,
         "prompt": list(request.prompt_token_ids),
         "max_tokens": p.max_tokens,
         "temperature": p.temperature,
@@ -96,9 +114,12 @@ class VLLMBackend(HttpBackend):
     """One vLLM server (the swap ordering: `HttpBackend`)."""
 
     name = "vLLM"
+    adapter_reload_atomic = True  # load_inplace: the new weights load before the old go
 
     _model: str | None = None
     _max_model_len: int | None = None
+    # (adapter, path) pairs this backend has had vLLM load: its prefix cache may hold their KV
+    _adapter_paths: set[tuple[str, str]] | None = None
 
     async def server_info(self) -> tuple[str, int]:
         """(served model name, max_model_len) from `/v1/models`; cached."""
@@ -152,15 +173,52 @@ class VLLMBackend(HttpBackend):
     async def _resume(self) -> None:
         await self._control("/resume")
 
+    async def _load_adapter(self, name: str, adapter_dir: Path, replace: bool) -> None:
+        seen = self._adapter_paths = self._adapter_paths or set()
+        key = (name, str(adapter_dir))
+        body = {"lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True}
+        if key in seen:  # its prefix-cache blocks may hold the old weights' KV (docstring)
+            async with self._server_paused():  # /pause clears the prefix cache
+                await self._lora_call("/v1/load_lora_adapter", body)
+        else:
+            await self._lora_call("/v1/load_lora_adapter", body)
+        seen.add(key)
+
+    async def _unload_adapter(self, name: str) -> None:
+        # 404 "cannot be found": the server no longer has it (it restarted), which is the goal.
+        await self._lora_call("/v1/unload_lora_adapter", {"lora_name": name}, missing_ok=True)
+
+    async def _lora_call(self, path: str, body: dict[str, Any], missing_ok: bool = False) -> None:
+        """A runtime LoRA call; a server started without the LoRA API gets a hint."""
+        with transport_errors(f"vLLM at {self.url}"):
+            resp = await self._client.post(path, json=body, timeout=self.config.control_timeout_s)
+        if resp.status_code == 404 and resp.headers.get("content-type", "").startswith(
+            "application/json"
+        ):
+            if "detail" in json_body(resp, f"POST {path}"):  # FastAPI's answer: no such route
+                raise BackendError(
+                    f"vLLM at {self.url} has no {path}: start it with --enable-lora and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (rlgate inference serve --enable-lora)"
+                )
+            if missing_ok:
+                return
+        check_status(resp.status_code, resp.text, f"vLLM POST {path}")
+
 
 def server_command(cfg: ServerConfig) -> list[str]:
     """`vllm.entrypoints.openai.api_server` with the flags this backend relies on."""
     module = "vllm.entrypoints.openai.api_server"
     cmd = [*base_command(cfg, module, "--model", "--max-model-len"), "--max-logprobs", "20"]
-    return [*cmd, *REQUIRED_SERVER_ARGS, *(["--enforce-eager"] if cfg.enforce_eager else [])]
+    cmd += [*REQUIRED_SERVER_ARGS, *(["--enforce-eager"] if cfg.enforce_eager else [])]
+    if cfg.enable_lora:
+        cmd += ["--enable-lora", "--max-loras", str(cfg.max_loras)]
+        cmd += ["--max-lora-rank", str(cfg.max_lora_rank)]
+    return cmd
 
 
 def server_env(cfg: ServerConfig, env: dict[str, str]) -> None:
     """Add what vLLM needs to the server's environment `env`."""
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc (reload_weights), /reset_prefix_cache
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+    if cfg.enable_lora:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -14,6 +14,7 @@ import httpx
 
 from inference import registry
 from inference.launch import (
+    LORA_RANKS,
     ServerConfig,
     default_vllm_venv,
     install_vllm,
@@ -75,6 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enforce_eager=not args.no_enforce_eager,
         kv_cache_gb=args.kv_cache_gb,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     advertised = args.advertise_url or cfg.url.replace("0.0.0.0", "127.0.0.1")
     proc = start_server(cfg, Path(args.log) if args.log else None)
@@ -107,6 +111,13 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_arguments(sub: argparse._SubParsersAction) -> None:
     inf = sub.add_parser("inference", help="run an inference server (vLLM, SGLang) for a run")
     inf_sub = inf.add_subparsers(dest="inference_command", required=True)
@@ -121,6 +132,13 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--kv-cache-gb", type=int, default=1, help="vLLM CPU KV cache (GiB)")
     serve.add_argument("--no-enforce-eager", action="store_true", help="vLLM: capture graphs")
+    serve.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA runs' adapters (docs/backends.md)"
+    )
+    serve.add_argument("--max-loras", type=_positive, default=4, help="LoRA adapters in one batch")
+    serve.add_argument(
+        "--max-lora-rank", type=int, default=16, choices=LORA_RANKS, help="largest adapter rank"
+    )
     serve.add_argument("--timeout", type=float, default=600, help="seconds to wait for health")
     serve.add_argument("--log", default=None, help="server output to this file")
     serve.add_argument("--run", default=None, help="register with this run")
