@@ -152,6 +152,10 @@ class MetricsSinks:
                 logger.warning("run %s logs to %s, but %s; skipped", run.id, name, exc)
                 failed += 1
                 continue
+            except Exception:  # e.g. a store it cannot open: tried again at the next step
+                logger.exception("metrics sink %s could not start for run %s", name, run.id)
+                failed += 1
+                continue
             failed += not self._write(sink, run, version, values, now)
         for sink in self.sinks:
             failed += not self._write(sink, run, version, values, now)

@@ -136,3 +136,13 @@ def test_a_failing_tracker_is_counted_and_the_other_sinks_still_write(
     assert (tmp_path / "run_f" / "metrics.jsonl").read_text().count("\n") == 1
     assert sinks.log(tracked("run_f", wandb=False, mlflow=False), 2, STEPS[2]) == 0
     sinks.close()
+
+
+def test_a_tracker_that_cannot_even_start_is_counted(caplog) -> None:
+    # MLflow's client opens its store when built: an unknown scheme fails right there
+    cfg = MetricsSinkConfig(mlflow_tracking_uri="nosuchstore://host/path")
+    sinks = make_sinks(cfg)
+    assert sinks.log(tracked("run_s", mlflow=True), 1, STEPS[1]) == 1
+    assert "metrics sink mlflow could not start for run run_s" in caplog.text
+    assert sinks.log(tracked("run_s", mlflow=True), 2, STEPS[2]) == 1  # tried again, counted again
+    sinks.close()
