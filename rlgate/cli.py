@@ -29,6 +29,11 @@ def _demo(args: argparse.Namespace) -> int:
         cfg.groups_per_step = args.groups_per_step
     if args.max_waves is not None:
         cfg.max_waves_per_step = args.max_waves
+    if args.lora_rank is not None:  # an adapter learns at a larger rate than every weight
+        cfg.run_config["lora_rank"] = args.lora_rank
+        cfg.learning_rate = args.learning_rate or LORA_DEMO_LEARNING_RATE
+    elif args.learning_rate is not None:
+        cfg.learning_rate = args.learning_rate
     return run_demo(cfg, Settings())
 
 
@@ -107,6 +112,9 @@ def _export(args: argparse.Namespace) -> int:
 
 # `rlgate bench NAME`: each module has `add_arguments(parser)` and `run(args)`, and imports
 # its heavy dependencies inside `run`, so building the parser stays cheap.
+# `rlgate demo --lora-rank`: about 10x the full fine-tune's 2e-5, the usual LoRA rule of thumb
+LORA_DEMO_LEARNING_RATE = 2e-4
+
 BENCHES = {
     "train": ("rlgate.bench_train", "packed vs padded training tokens/s"),
     "capture": ("rlgate.bench_capture", "completions/s persisted: group commit vs one each"),
@@ -114,6 +122,7 @@ BENCHES = {
     "e2e": ("rlgate.bench_e2e", "trained samples/s: max_staleness 0 vs 1 and 2"),
     "swap": ("rlgate.bench_swap", "vLLM hot-swap seconds vs a server restart"),
     "learn": ("rlgate.bench_learn", "held-out reward from one sample budget: rlgate vs TRL"),
+    "tenants": ("rlgate.bench_tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
 }
 
 
@@ -138,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--max-waves", type=int, default=None, help="waves per step before calling it converged (4)"
+    )
+    demo.add_argument(
+        "--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead"
+    )
+    demo.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help=f"AdamW's rate (default 2e-5; {LORA_DEMO_LEARNING_RATE:g} with --lora-rank)",
     )
     demo.set_defaults(func=_demo)
 
