@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from gateway.dashboard.analysis import RUN_CHARTS, episode_filters, install_analysis
 from gateway.dashboard.auth import (
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
@@ -78,7 +79,7 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
         session = current_session(request)
         ctx |= {
             "csrf": session.csrf if session else "",
-            "error": request.query_params.get("error"),
+            "error": ctx.get("error") or request.query_params.get("error"),
             "colour": logprob_colour,
         }
         resp = templates.TemplateResponse(request, name, ctx)
@@ -130,27 +131,34 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
     async def run_page(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> Response:
         st = request.app.state
         run = await st.runs.public(await st.runs.get(run_id), base_url)
-        q = request.query_params
-        filters = {k: q.get(k) or None for k in ("status", "reward_min", "reward_max", "version")}
         try:
+            filters, parsed = episode_filters(request.query_params)
             episodes = await st.episode_admin.list(
                 run_id,
-                status=filters["status"],
-                reward_min=_num(filters["reward_min"], float),
-                reward_max=_num(filters["reward_max"], float),
-                version=_num(filters["version"], int),
+                status=parsed["status"],
+                reward_min=parsed["reward_min"],
+                reward_max=parsed["reward_max"],
+                version=parsed["version"],
+                length_min=parsed["length_min"],
+                length_max=parsed["length_max"],
+                drift=parsed["drift"],
+                group_id=parsed["group_id"],
                 limit=100,
             )
         except (ValueError, APIError) as exc:
             return _redirect(f"{PREFIX}/runs/{run_id}", _message(exc))
+        versions = [v.model_dump() for v in await st.run_admin.versions(run_id)]
         return page(
             request,
             "run.html",
             run=run.model_dump(),
-            versions=[v.model_dump() for v in await st.run_admin.versions(run_id)],
+            versions=versions,
+            sink_errors=sum(int(v["metrics"].get("sink_errors", 0)) for v in versions),
             counters=(await st.metrics_admin.counters(run_id)).model_dump(),
             episodes=episodes.model_dump()["data"],
+            has_more=episodes.has_more,
             filters=filters,
+            run_charts=RUN_CHARTS,
         )
 
     @router.get("/runs/{run_id}/episodes/{episode_id}", dependencies=[PageSessionDep])
@@ -206,14 +214,18 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
         counters = await st.metrics_admin.counters(run_id)
         return JSONResponse(
             {
-                "run": {k: run.model_dump()[k] for k in ("status", "current_version")}
-                | {"served_version": run.served_version},
+                "run": {
+                    k: run.model_dump()[k]
+                    for k in ("name", "status", "current_version", "served_version", "created_at")
+                },
                 "metrics": series.model_dump(),
                 "versions": [v.model_dump() for v in versions],
                 "counters": counters.model_dump(),
             },
             headers=SECURITY_HEADERS,
         )
+
+    install_analysis(router, page, _runs_summary)
 
     # Last: `{action}` would otherwise capture /runs/{id}/keys.
     @router.post("/runs/{run_id}/{action}")
@@ -230,10 +242,6 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
     return router
 
 
-def _num(value: str | None, kind: type) -> Any:
-    return None if value is None else kind(value)
-
-
 def _message(exc: Exception) -> str:
     return exc.message if isinstance(exc, APIError) else str(exc).splitlines()[0][:300]
 
@@ -247,6 +255,7 @@ async def _runs_summary(request: Request, base_url: str) -> list[dict[str, Any]]
         series = await st.metrics_admin.series(r.id)
         rewards = [p.values["reward_mean"] for p in series.points[-50:]]
         last = series.points[-1].values if series.points else {}
+        rewards = [x for x in rewards if x is not None]
         out.append(
             {
                 "run_id": r.id,
@@ -255,7 +264,8 @@ async def _runs_summary(request: Request, base_url: str) -> list[dict[str, Any]]
                 "status": r.status,
                 "current_version": r.current_version,
                 "served_version": public.served_version,
-                "rewards": [x for x in rewards if x is not None],
+                "rewards": rewards,
+                "last_reward": rewards[-1] if rewards else None,
                 "tokens_per_s": last.get("tokens_per_s"),
                 "steps": len(series.points),
                 "created_at": public.created_at,

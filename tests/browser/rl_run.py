@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,6 +34,7 @@ class RunFixture:
     run: dict
     episodes: list[str]
     data_dir: Path
+    others: list[dict] = field(default_factory=list)  # more trained runs on the same stack
 
     def admin(self) -> httpx.Client:
         return httpx.Client(
@@ -41,8 +42,9 @@ class RunFixture:
         )
 
 
-def _wave(url: str, run: dict, step: int, episodes: list[str]) -> None:
-    """Two groups of two episodes; rewards differ within each group so both groups train."""
+def _wave(url: str, run: dict, step: int, episodes: list[str], scale: float = 1.0) -> None:
+    """Two groups of two episodes; rewards (0 and `scale`) differ within each group so both
+    groups train."""
     for g in range(2):
         for e in range(2):
             ep = f"s{step}-g{g}-e{e}"
@@ -59,21 +61,53 @@ def _wave(url: str, run: dict, step: int, episodes: list[str]) -> None:
                 model=run["name"], messages=messages, max_tokens=8
             )
             client.post(
-                "/rewards", body={"completion_id": resp.id, "reward": float(e)}, cast_to=object
+                "/rewards", body={"completion_id": resp.id, "reward": scale * e}, cast_to=object
             )
             episodes.append(ep)
 
 
-def wait_version(fx: RunFixture, version: int, timeout_s: float = 240) -> dict:
+def wait_version(
+    fx: RunFixture, version: int, timeout_s: float = 240, run: dict | None = None
+) -> dict:
+    """Wait until `run` (the fixture's own by default) serves `version`."""
+    run_id = (run or fx.run)["run_id"]
     deadline = time.monotonic() + timeout_s
     with fx.admin() as admin:
         while time.monotonic() < deadline:
-            info = admin.get(f"/admin/v1/runs/{fx.run['run_id']}").json()
+            info = admin.get(f"/admin/v1/runs/{run_id}").json()
             if info["current_version"] >= version and info["served_version"] == version:
                 return info
             time.sleep(0.3)
-        steps = admin.get(f"/admin/v1/runs/{fx.run['run_id']}/steps").json()
+        steps = admin.get(f"/admin/v1/runs/{run_id}/steps").json()
     raise AssertionError(f"version {version} never served; steps: {steps}")
+
+
+def _create(url: str, name: str, model: str) -> dict:
+    r = httpx.post(
+        f"{url}/admin/v1/runs",
+        json={
+            "name": name,
+            "model": model,
+            "config": {"group_size": 2, "groups_per_step": 2, "micro_batch_size": 4},
+        },
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=120,
+    )
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def add_trained_run(
+    fx: RunFixture, name: str, steps: int = 2, model: str = "tiny", scale: float = 1.0
+) -> dict:
+    """Another run on the fixture's stack, trained `steps` real steps (rewards 0 and `scale`)."""
+    run = _create(fx.url, name, model)
+    episodes: list[str] = []
+    for step in range(steps):
+        _wave(fx.url, run, step, episodes, scale)
+        wait_version(fx, step + 1, run=run)
+    fx.others.append(run)
+    return run
 
 
 @contextlib.contextmanager
@@ -94,18 +128,7 @@ def trained_run(
         metrics_dir=data_dir / "metrics",  # the trainer's JSONL sink
     )
     with embedded_stack(settings, "127.0.0.1", 0, data_dir / "logs") as url:
-        r = httpx.post(
-            f"{url}/admin/v1/runs",
-            json={
-                "name": "browser-run",
-                "model": model,
-                "config": {"group_size": 2, "groups_per_step": 2, "micro_batch_size": 4},
-            },
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-            timeout=120,
-        )
-        assert r.status_code == 201, r.text
-        fx = RunFixture(url, ADMIN_KEY, r.json(), [], data_dir)
+        fx = RunFixture(url, ADMIN_KEY, _create(url, "browser-run", model), [], data_dir)
         for step in range(steps):
             _wave(url, fx.run, step, fx.episodes)
             wait_version(fx, step + 1)

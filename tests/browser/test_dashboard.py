@@ -2,7 +2,8 @@
 
 Real uvicorn gateway, real Celery worker, two real train steps on the tiny
 model, Debian's chromium driven by Playwright. Screenshots go to the
-test-artifact directory (`$RLGATE_ARTIFACTS/browser` or `test-artifacts/browser`).
+test-artifact directory (`$RLGATE_ARTIFACTS/browser` or `test-artifacts/browser`),
+and to docs/img with RLGATE_SCREENSHOTS=1 (see conftest).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ def _login(page, url: str, key: str = ADMIN_KEY) -> None:
     page.click("#login-form button[type=submit]")
 
 
-def _points(path_d: str) -> int:
-    return len(re.findall(r"[ML]-?\d", path_d))
+def chart_points(page, name: str) -> list[int]:
+    """Per series of the chart `name`, how many points it draws (read from its uPlot)."""
+    return page.evaluate(
+        "n => window.rlCharts[n].data.slice(1).map(s => s.filter(v => v !== null).length)", name
+    )
 
 
-def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, artifacts_dir) -> None:
+def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, shoot) -> None:
     run_id = real_run.run["run_id"]
     page = browser.new_page(viewport={"width": 1360, "height": 1000})
     _login(page, real_run.url, "not-the-key")
@@ -38,26 +42,28 @@ def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, artifac
     page.fill("input[name=admin_key]", ADMIN_KEY)
     page.click("#login-form button[type=submit]")
     page.wait_for_selector(f"tr[data-run='{run_id}']")
-    # reward sparkline from the two finished steps
-    spark = page.wait_for_selector(f"tr[data-run='{run_id}'] .spark svg path", state="attached")
-    assert _points(spark.get_attribute("d")) == 2
-    page.screenshot(path=str(artifacts_dir / "runs.png"), full_page=True)
+    # reward sparkline from the two finished steps, drawn by uPlot
+    spark = page.wait_for_selector(f"tr[data-run='{run_id}'] .spark canvas", state="attached")
+    assert spark is not None
+    assert page.get_attribute(f"tr[data-run='{run_id}'] .spark", "data-points") == "2"
+    shoot(page, "runs", docs=False)
 
     page.click(f"tr[data-run='{run_id}'] a")
-    page.wait_for_selector("figure[data-series=reward_mean] svg path.series", state="attached")
+    page.wait_for_selector("#charts[data-drawn='2']", state="attached")
     for name in CHARTS:
-        svg = page.wait_for_selector(f"figure[data-series={name}] svg.rl-chart", state="attached")
-        assert svg.get_attribute("data-points") == "2", name
-        d = page.get_attribute(f"figure[data-series={name}] path.series", "d")
-        assert _points(d) == 2, (name, d)
-        assert page.locator(f"figure[data-series={name}] circle.pt").count() == 2
+        page.wait_for_selector(f"figure[data-series={name}] .uplot canvas", state="attached")
+        assert chart_points(page, name) == [2], name
+    # the x values are the two steps; the legend names the step's version
+    assert page.evaluate("window.rlCharts.reward_mean.data[0]") == [0, 1]
     # hot-swap history: the base model and the two trained versions, v2 serving
     rows = page.locator("#versions tbody tr")
     assert rows.count() == 3
     assert "serving" in rows.first.inner_text() and "v2" in rows.first.inner_text()
-    page.screenshot(path=str(artifacts_dir / "run.png"), full_page=True)
+    shoot(page, "run")
     page.check("input[name=xaxis][value=time]")
-    assert _points(page.get_attribute("figure[data-series=loss] path.series", "d")) == 2
+    page.wait_for_function("window.rlCharts.loss.scales.x.time === true")
+    assert chart_points(page, "loss") == [2]
+    assert "x=time" in page.url  # the view is in the address
 
     # an episode whose second turn followed a tool call, trained at step 0
     page.click("#episodes a:text-is('s0-g0-e1')")
@@ -75,7 +81,7 @@ def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, artifac
         assert "trained" in (tok.get_attribute("class") or "").split()
     # the prompt's tokens are masked (no loss), the rendered colour is not the default
     assert page.locator(".prompt-tokens .tok.masked").count() > 0
-    page.screenshot(path=str(artifacts_dir / "episode.png"), full_page=True)
+    shoot(page, "episode")
 
     # pause and resume from the UI; the admin API sees each change
     page.goto(f"{real_run.url}/dashboard/runs/{run_id}")

@@ -1,106 +1,157 @@
-/* RLCharts: a small SVG line-chart library written for the rlgate dashboard.
+/* RLCharts: the dashboard's charts, drawn by uPlot (vendor/uplot, MIT).
  *
- *   RLCharts.line(container, points, {x: "step" | "time", label})
- *     points: [{x: number (step or epoch ms), y: number | null}], drawn in x order;
- *     nulls are skipped. Draws axes with min/max/mid ticks, a path and point markers.
- *   RLCharts.sparkline(container, values, {width, height})
+ *   RLCharts.plot(container, spec) -> uPlot
+ *     spec: {name, title, x: "step" | "time" | "elapsed", log: bool, smooth: 0..0.99,
+ *            series: [{label, color?, points: [{x, y, version?}]}]}
+ *     One line per entry of `series` (several runs overlaid share one x scale).
+ *     Hover: the legend shows each series' value at the cursor (cursors synced
+ *     across charts); drag: zoom on x; double-click: back to the full range.
+ *     `smooth` is TensorBoard's debiased EMA weight; the legend then shows
+ *     "smoothed (raw)". `log` is a log10 y axis, or asinh (a log that passes
+ *     through zero) when a value is <= 0, as a GRPO loss or approximate KL can be;
+ *     a chart whose values are all zero stays linear.
+ *   RLCharts.sparkline(container, values) -> uPlot
+ *   window.rlCharts[name]: the live uPlot instances, for tests and the console.
  */
 (function () {
   "use strict";
-  const NS = "http://www.w3.org/2000/svg";
+  const PALETTE = ["#2f6fed", "#e8590c", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad", "#5c940d", "#862e9c"];
+  const SYNC = uPlot.sync("rlgate");
+  const registry = (window.rlCharts = window.rlCharts || {});
 
-  function el(name, attrs, parent) {
-    const node = document.createElementNS(NS, name);
-    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
-    if (parent) parent.appendChild(node);
-    return node;
-  }
-
-  function extent(values) {
-    let lo = Infinity, hi = -Infinity;
-    for (const v of values) { if (v < lo) lo = v; if (v > hi) hi = v; }
-    if (lo === hi) { const pad = Math.abs(lo) * 0.1 || 1; lo -= pad; hi += pad; }
-    return [lo, hi];
-  }
-
-  function fmtNumber(v) {
+  function fmt(v) {
+    if (v === null || v === undefined || !isFinite(v)) return "–";
     const a = Math.abs(v);
-    if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
-    if (a >= 100) return v.toFixed(0);
-    if (a >= 1) return v.toFixed(2);
-    return v.toFixed(3);
+    if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(2);
+    if (a >= 100) return v.toFixed(1);
+    return v.toFixed(4);
   }
 
-  function fmtTime(ms) {
-    const d = new Date(ms);
-    return d.toISOString().slice(11, 19);
+  function fmtElapsed(s) {
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = Math.round(s % 60);
+    return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
   }
 
-  function scale(d0, d1, r0, r1) {
-    return (v) => r0 + ((v - d0) / (d1 - d0)) * (r1 - r0);
-  }
-
-  function line(container, points, opts) {
-    const o = Object.assign({ width: 330, height: 170, x: "step" }, opts || {});
-    const pts = points.filter((p) => p.y !== null && p.y !== undefined && isFinite(p.y))
-      .sort((a, b) => a.x - b.x);
-    container.textContent = "";
-    const svg = el("svg", {
-      class: "rl-chart", width: o.width, height: o.height,
-      viewBox: `0 0 ${o.width} ${o.height}`, role: "img",
-      "aria-label": o.label || "chart", "data-points": pts.length,
-    }, container);
-    const m = { left: 48, right: 10, top: 8, bottom: 24 };
-    const x0 = m.left, x1 = o.width - m.right, y0 = o.height - m.bottom, y1 = m.top;
-    el("line", { class: "axis", x1: x0, y1: y0, x2: x1, y2: y0 }, svg);
-    el("line", { class: "axis", x1: x0, y1: y0, x2: x0, y2: y1 }, svg);
-    if (pts.length === 0) {
-      const t = el("text", { class: "empty", x: (x0 + x1) / 2, y: (y0 + y1) / 2,
-        "text-anchor": "middle" }, svg);
-      t.textContent = "no data yet";
-      return svg;
-    }
-    const [xa, xb] = extent(pts.map((p) => p.x));
-    const [ya, yb] = extent(pts.map((p) => p.y));
-    const sx = scale(xa, xb, x0, x1), sy = scale(ya, yb, y0, y1);
-    const fx = o.x === "time" ? fmtTime : (v) => String(Math.round(v));
-    for (const v of [ya, (ya + yb) / 2, yb]) {
-      const t = el("text", { x: x0 - 4, y: sy(v) + 3, "text-anchor": "end" }, svg);
-      t.textContent = fmtNumber(v);
-      el("line", { class: "axis", x1: x0 - 2, y1: sy(v), x2: x0, y2: sy(v) }, svg);
-    }
-    const mid = o.x === "step" && xb - xa >= 4 ? [Math.round((xa + xb) / 2)] : [];
-    const xticks = [xa, ...mid, xb];
-    xticks.forEach((v, i) => {
-      const anchor = i === 0 ? "start" : i === xticks.length - 1 ? "end" : "middle";
-      const t = el("text", { x: sx(v), y: y0 + 14, "text-anchor": anchor }, svg);
-      t.textContent = fx(v);
+  /* Debiased EMA (TensorBoard's "smoothing"): nulls stay null and do not move the average. */
+  function ema(values, weight) {
+    if (!weight) return values.slice();
+    let last = 0, n = 0;
+    return values.map((v) => {
+      if (v === null || v === undefined || !isFinite(v)) return null;
+      last = last * weight + (1 - weight) * v;
+      n += 1;
+      return last / (1 - Math.pow(weight, n));
     });
-    const d = pts.map((p, i) => `${i ? "L" : "M"}${sx(p.x).toFixed(1)},${sy(p.y).toFixed(1)}`);
-    el("path", { class: "series", d: d.join(" ") }, svg);
-    for (const p of pts) {
-      const c = el("circle", { class: "pt", cx: sx(p.x).toFixed(1), cy: sy(p.y).toFixed(1),
-        r: pts.length > 60 ? 1.2 : 2.4 }, svg);
-      const title = el("title", {}, c);
-      title.textContent = `${o.x === "time" ? fmtTime(p.x) : "step " + p.x}: ${fmtNumber(p.y)}`;
-    }
-    return svg;
   }
 
-  function sparkline(container, values, opts) {
-    const o = Object.assign({ width: 90, height: 22 }, opts || {});
-    const ys = values.filter((v) => v !== null && isFinite(v));
+  /* uPlot wants one shared, sorted x array; uPlot.join aligns the series and fills gaps with null. */
+  function align(series) {
+    const tables = series.map((s) => {
+      const pts = s.points.filter((p) => p.x !== null && isFinite(p.x)).sort((a, b) => a.x - b.x);
+      return [pts.map((p) => p.x), pts.map((p) => (p.y === null || p.y === undefined ? null : p.y))];
+    });
+    if (tables.length === 0) return [[]];
+    return tables.length === 1 ? tables[0] : uPlot.join(tables);
+  }
+
+  /* Log where it can draw: log10 for positive values, asinh across zero, linear for all zeros. */
+  function yScale(log, ys) {
+    const finite = ys.flat().filter((v) => v !== null && isFinite(v));
+    const nonzero = finite.filter((v) => v !== 0).map(Math.abs);
+    if (!log || nonzero.length === 0) return { auto: true };
+    if (finite.every((v) => v > 0)) return { distr: 3, log: 10 };
+    return { distr: 4, asinh: Math.min(...nonzero) };
+  }
+
+  function xAxis(mode) {
+    if (mode === "time") return { time: true };
+    return { time: false };
+  }
+
+  function xValue(mode, versions) {
+    return (u, v, si, idx) => {
+      if (v === null || v === undefined) return "–";
+      if (mode === "time") return new Date(v * 1000).toISOString().slice(11, 19);
+      if (mode === "elapsed") return fmtElapsed(v);
+      const version = versions[idx];
+      return version === undefined ? `step ${v}` : `step ${v} (v${version})`;
+    };
+  }
+
+  /* uPlot adds window listeners per chart: a redraw destroys the old one, not only its DOM. */
+  function clear(container) {
+    if (container.rlChart) container.rlChart.destroy();
+    container.rlChart = null;
     container.textContent = "";
-    const svg = el("svg", { width: o.width, height: o.height, "data-points": ys.length },
-      container);
-    if (ys.length === 0) return svg;
-    const [lo, hi] = extent(ys);
-    const sx = scale(0, Math.max(ys.length - 1, 1), 1, o.width - 1);
-    const sy = scale(lo, hi, o.height - 2, 2);
-    const d = ys.map((v, i) => `${i ? "L" : "M"}${sx(i).toFixed(1)},${sy(v).toFixed(1)}`);
-    el("path", { d: d.join(" ") }, svg);
-    return svg;
   }
 
-  window.RLCharts = { line, sparkline };
+  function plot(container, spec) {
+    const mode = spec.x || "step";
+    const raw = align(spec.series);
+    const xs = raw[0];
+    const smoothed = [xs, ...raw.slice(1).map((ys) => ema(ys, spec.smooth || 0))];
+    const versions = {};
+    if (spec.series.length === 1) {
+      for (const p of spec.series[0].points) versions[p.x] = p.version;
+    }
+    const versionAt = xs.map((x) => versions[x]);
+    const width = Math.max(260, container.clientWidth || 330);
+    const opts = {
+      title: spec.title,
+      width,
+      height: spec.height || 190,
+      cursor: { sync: { key: SYNC.key, setSeries: true }, drag: { x: true, y: false }, points: { size: 6 } },
+      scales: { x: xAxis(mode), y: yScale(spec.log, raw.slice(1)) },
+      legend: { live: true },
+      axes: [
+        mode === "elapsed" ? { values: (u, ticks) => ticks.map(fmtElapsed), size: 32 } : { size: 32 },
+        { size: 62 },
+      ],
+      series: [
+        { label: mode === "step" ? "step" : mode === "time" ? "time (UTC)" : "elapsed", value: xValue(mode, versionAt) },
+        ...spec.series.map((s, i) => ({
+          label: s.label,
+          stroke: s.color || PALETTE[i % PALETTE.length],
+          width: 1.6,
+          spanGaps: true,
+          points: { show: xs.length <= 60, size: 5 },
+          value: (u, v, si, idx) => {
+            if (idx === null || idx === undefined) return "–";
+            const r = raw[si][idx];
+            return spec.smooth ? `${fmt(v)} (${fmt(r)})` : fmt(v);
+          },
+        })),
+      ],
+    };
+    clear(container);
+    const u = (container.rlChart = new uPlot(opts, smoothed, container));
+    u.rl = { spec, raw };
+    container.dataset.points = String(raw.slice(1).flat().filter((v) => v !== null).length);
+    if (spec.name) registry[spec.name] = u;
+    return u;
+  }
+
+  function sparkline(container, values) {
+    const ys = values.filter((v) => v !== null && isFinite(v));
+    clear(container);
+    container.dataset.points = String(ys.length);
+    const opts = {
+      width: 90, height: 22, pxAlign: 0,
+      cursor: { show: false }, legend: { show: false }, select: { show: false },
+      scales: { x: { time: false } },
+      axes: [{ show: false }, { show: false }],
+      series: [{}, { stroke: PALETTE[0], width: 1.3, points: { show: false } }],
+    };
+    return (container.rlChart = new uPlot(opts, [ys.map((_, i) => i), ys], container));
+  }
+
+  /* Keep charts as wide as their boxes. */
+  window.addEventListener("resize", () => {
+    for (const u of Object.values(registry)) {
+      const box = u.root.parentElement;
+      if (box && box.clientWidth) u.setSize({ width: box.clientWidth, height: u.height });
+    }
+  });
+
+  window.RLCharts = { plot, sparkline, ema, fmt, PALETTE };
 })();
