@@ -129,7 +129,8 @@ def trackers_for(run: TrackingConfig, worker: MetricsSinkConfig) -> list[str]:
         ("wandb", run.wandb, run.wandb_project, worker.wandb_project),
         ("mlflow", run.mlflow, run.mlflow_experiment, worker.mlflow_experiment),
     ):
-        if on if on is not None else (named is not None or default is not None):
+        wanted = on if on is not None else (named is not None or default is not None)
+        if wanted:
             chosen.append(name)
     return chosen
 
