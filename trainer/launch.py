@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from trainer.batch import Sample
+from trainer.lora import ADAPTER_CONFIG
 
 TAIL_CHARS = 4000
 
@@ -107,9 +108,12 @@ def run_fsdp_step(
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
-    if not (Path(checkpoint_dir) / "config.json").is_file():
+    if not any((Path(checkpoint_dir) / f).is_file() for f in ("config.json", ADAPTER_CONFIG)):
         # fail here, not in every rank (where transformers would read it as a hub repo id)
-        raise FileNotFoundError(f"{checkpoint_dir} is not a Hugging Face directory (config.json)")
+        raise FileNotFoundError(
+            f"{checkpoint_dir} is neither a Hugging Face directory (config.json) "
+            f"nor a LoRA adapter ({ADAPTER_CONFIG})"
+        )
     work = Path(tempfile.mkdtemp(prefix="rlgate-fsdp-"))
     try:
         config = work / "config.json"
