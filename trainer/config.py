@@ -215,7 +215,7 @@ class RunConfig(BaseModel):
                 raise ValueError("lora_dropout needs lora_rank: set lora_rank to train an adapter")
             return
         if self.engine == "megatron":
-            raise ValueError("LoRA runs train on engine='local' or 'fsdp': unset lora_rank")
+            raise ValueError("lora_rank needs engine='local' or 'fsdp' (megatron: full weights)")
         if self.lora_target_modules is not None and any(
             not m or not m.replace("_", "").replace(".", "").isalnum()
             for m in self.lora_target_modules
