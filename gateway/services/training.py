@@ -201,6 +201,11 @@ class WeightSync:
     each server drains before it reloads (`inference/http_backend.py`), so the
     guarantee above holds per server; until the roll ends, completions from
     different servers may carry N or N+1, each labelled with its own.
+
+    For a LoRA run the backend is the run's `AdapterView` on the shared base
+    (`gateway.services.backends`): its `load_weights` is `load_adapter` of the
+    run's adapter only, with the same ordering; the base and every other run's
+    adapter are untouched.
     """
 
     def __init__(
