@@ -2,7 +2,8 @@
 
 The worker side is the real code path of a train step: a SQLite store holding
 a run with 16 rewarded completions per step (4 groups of 4 episodes, one
-completion each, prompt and output lengths of a short chat task), and
+completion each, prompt and output lengths of a short chat task; a group's
+episodes answer one prompt, as GRPO's do), and
 `trainer.tasks.Trainer.train_step`, which reads the step's episodes, builds
 the token-exact samples and advantages, runs `LocalEngine.step`, writes the
 checkpoint of version N+1 and commits the version bump. Steps after the first
@@ -86,6 +87,8 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
             )
             s.flush()
             for g in range(shape.groups):
+                # a GRPO group: one prompt, group_size answers to it
+                prompt = [rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_len))]
                 for e in range(shape.group_size):
                     episode = f"s{step}-g{g}-e{e}"
                     reward = float(rng.random() < 0.5) if e else float(g % 2)  # mixed groups
@@ -108,9 +111,7 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
                             run_id=RUN_ID,
                             episode_id=episode,
                             messages=[],
-                            prompt_token_ids=[
-                                rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_len))
-                            ],
+                            prompt_token_ids=prompt,
                             output_token_ids=[rng.randrange(vocab) for _ in range(n_out)],
                             output_logprobs=[-rng.uniform(0.5, 4.0) for _ in range(n_out)],
                             content="",
