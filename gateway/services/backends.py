@@ -95,15 +95,16 @@ class BackendPool:
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             if run_id not in self._serving:
-                remote = registry.get(backend).remote
-                if remote:
+                if registry.get(backend).remote and lora:
+                    # the servers as they are (the base); the run's view loads its adapter
+                    serving = await self._load_remote(run_id, model_dir, backend, 0, None)
+                    serving = await self._adapter_view(run_id, serving, version, ckpt)
+                elif registry.get(backend).remote:
                     serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
                 elif lora:
                     serving = await self._load_lora(run_id, model_dir, backend, version, ckpt)
                 else:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
-                if remote and lora:
-                    serving = await self._adapter_view(run_id, serving, version, ckpt)
                 self._serving[run_id] = serving
         return self._serving[run_id]
 
