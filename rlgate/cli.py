@@ -29,6 +29,8 @@ def _demo(args: argparse.Namespace) -> int:
         cfg.groups_per_step = args.groups_per_step
     if args.max_waves is not None:
         cfg.max_waves_per_step = args.max_waves
+    if args.patience is not None:
+        cfg.patience = args.patience
     if args.lora_rank is not None:  # an adapter learns at a larger rate than every weight
         cfg.run_config["lora_rank"] = args.lora_rank
         cfg.learning_rate = args.learning_rate or LORA_DEMO_LEARNING_RATE
@@ -147,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--max-waves", type=int, default=None, help="waves per step before calling it converged (4)"
+    )
+    demo.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        help="stop once learned and this many versions set no new best reward (3; 0: never)",
     )
     demo.add_argument(
         "--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead"

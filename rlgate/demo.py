@@ -52,6 +52,9 @@ class DemoConfig:
     learning_rate: float = 2e-5
     min_gain: float = 0.1  # reward_last - reward_first needed to call the run learned
     max_waves_per_step: int = 4
+    # Stop once the run has learned and `patience` versions in a row set no new best
+    # mean reward; 0 trains every step.
+    patience: int = 3
     run_config: dict[str, Any] = field(default_factory=dict)
     backend: str = "local"  # or a remote kind ("vllm"): the demo starts its server
     server_port: int = 8767  # remote backends: the server's loopback port
@@ -112,6 +115,16 @@ async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.R
         await c.close()
     tokens = sum(r.usage.completion_tokens for r in responses)
     return Wave(rewards, tokens, time.perf_counter() - t0)
+
+
+def plateaued(rewards: list[float], min_gain: float, patience: int) -> bool:
+    """Whether the run has learned (`summarize`'s rule on the versions so far) and then
+    `patience` versions in a row set no new best mean reward."""
+    if patience < 1 or len(rewards) <= patience:
+        return False
+    k = max(1, len(rewards) // 4)
+    learned = statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]) >= min_gain
+    return learned and max(rewards[-patience:]) <= max(rewards[:-patience])
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -203,6 +216,12 @@ async def _loop(
                 f"| train {entry['train_tokens_per_s'] or 0:.0f} tok/s | loss {entry['loss']:+.4f}",
                 flush=True,
             )
+            if plateaued([s["reward_mean"] for s in steps], cfg.min_gain, cfg.patience):
+                print(
+                    f"learned; no new best reward in {cfg.patience} versions: "
+                    f"stopping after {step + 1} steps (--patience 0 trains every step)"
+                )
+                break
         if not converged:  # measure the last version too; a converged loop just measured it
             final = await run_wave(url, run, cfg, rng)
             rewards = final.rewards
