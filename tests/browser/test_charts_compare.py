@@ -48,6 +48,8 @@ def _drag(page, name: str, start: float, end: float) -> None:
 
 def test_hover_zoom_smoothing_and_log(browser, real_run) -> None:
     page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
     _login(page, real_run.url)
     page.goto(f"{real_run.url}/dashboard/runs/{real_run.run['run_id']}")
     page.wait_for_selector("#charts[data-drawn='2']", state="attached")
@@ -99,6 +101,14 @@ def test_hover_zoom_smoothing_and_log(browser, real_run) -> None:
     page.wait_for_selector("#charts[data-drawn='2']", state="attached")
     assert page.input_value("input[name=smooth]") == "0.5"
     assert page.is_checked("figure[data-series=reward_mean] input.log")
+    # every chart draws on a log axis too, whatever the signs of its values
+    for box in page.locator("figure.chart input.log").all():
+        box.check()
+    ranges = page.evaluate(
+        "Object.entries(window.rlCharts).map(([n, u]) => [n, u.scales.y.min, u.scales.y.max])"
+    )
+    assert all(lo is not None and hi is not None and lo <= hi for _, lo, hi in ranges), ranges
+    assert errors == []
     page.close()
 
 

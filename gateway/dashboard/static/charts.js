@@ -32,6 +32,21 @@
     return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
   }
 
+  /* Tick labels: as many decimals as the tick step needs (linear), exponents for tiny or huge
+   * values (log and asinh axes, whose steps are not even). */
+  function yTicks(u, ticks, axisIdx, space, incr) {
+    const linear = u.scales.y.distr === 1;
+    const decimals = linear && incr > 0 ? Math.min(Math.max(0, -Math.floor(Math.log10(incr))), 8) : null;
+    return ticks.map((v) => {
+      if (v === null) return null;  // log axes leave some ticks unlabelled
+      const a = Math.abs(v);
+      if (v === 0) return "0";
+      if (a < 1e-3 || a >= 1e6) return v.toExponential(linear ? 1 : 0);
+      if (decimals !== null) return v.toFixed(decimals);
+      return String(Number(v.toPrecision(2)));
+    });
+  }
+
   /* Debiased EMA (TensorBoard's "smoothing"): nulls stay null and do not move the average. */
   function ema(values, weight) {
     if (!weight) return values.slice();
@@ -105,7 +120,7 @@
       legend: { live: true },
       axes: [
         mode === "elapsed" ? { values: (u, ticks) => ticks.map(fmtElapsed), size: 32 } : { size: 32 },
-        { size: 62 },
+        { size: 62, values: yTicks },
       ],
       series: [
         { label: mode === "step" ? "step" : mode === "time" ? "time (UTC)" : "elapsed", value: xValue(mode, versionAt) },
