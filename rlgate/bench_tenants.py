@@ -14,9 +14,10 @@ once each had trained (`(runs - 1) x adapter / model`, the docs/lora.md arithmet
 
 Swap: in this process, one `LocalBackend` on the same base times
 `load_adapter` (the trained adapter, what a LoRA run's hot swap does) against
-`load_weights` (a full checkpoint, what a full fine-tune's hot swap does),
-each until a request answers on the new weights; medians of `--repeats`.
-`swap_ratio` = adapter swap / full swap. The last printed line is JSON.
+`load_weights` (a full checkpoint, what a full fine-tune's hot swap does):
+the call, which returns once every later batch uses the new weights; medians
+of `--repeats`. `swap_ratio` = adapter swap / full swap. The last printed
+line is JSON.
 """
 
 from __future__ import annotations
@@ -124,29 +125,37 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
     return {"rss_1_run": one, f"rss_{args.runs}_runs": many, "rss_growth": many - one}
 
 
-async def _swap_then_answer(backend, swap, adapter: str | None) -> float:
-    """Seconds from the swap's call until a request answers on the new weights."""
+async def _timed_swap(backend, swap, adapter: str | None, version: int) -> float:
+    """Seconds the swap call takes: when it returns, every later batch uses the new weights.
+
+    One request after it checks that they serve (not timed: it costs the same either way).
+    """
     from inference.types import GenerateRequest, SamplingParams
 
     t0 = time.perf_counter()
     await swap
-    await backend.generate(
-        GenerateRequest([1, 2, 3, 4], SamplingParams(max_tokens=1), adapter=adapter)
-    )
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    request = GenerateRequest([1, 2, 3, 4], SamplingParams(max_tokens=1), adapter=adapter)
+    if (await backend.generate(request)).policy_version != version:
+        raise RuntimeError("the swapped weights do not serve")
+    return seconds
 
 
 async def measure_swaps(base: Path, adapter: Path, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of `repeats` adapter swaps and `repeats` full-weight swaps on one backend."""
+    """Seconds of `repeats` adapter swaps and `repeats` full-weight swaps on one backend,
+    after one untimed swap of each (both files then come from the page cache, as a
+    checkpoint the trainer has just written does)."""
     from inference.local import LocalBackend
 
     backend = LocalBackend(base, batch_wait_s=0.0)
     try:
         adapters, fulls = [], []
-        for v in range(1, repeats + 1):
-            swap = backend.load_adapter("run", adapter, v)
-            adapters.append(await _swap_then_answer(backend, swap, "run"))
-            fulls.append(await _swap_then_answer(backend, backend.load_weights(base, v), None))
+        for v in range(repeats + 1):
+            a = await _timed_swap(backend, backend.load_adapter("run", adapter, v), "run", v)
+            f = await _timed_swap(backend, backend.load_weights(base, v), None, v)
+            if v > 0:
+                adapters.append(a)
+                fulls.append(f)
         return adapters, fulls
     finally:
         await backend.close()
