@@ -157,10 +157,6 @@ class LocalBackend:
     def adapter_version(self, name: str) -> int | None:
         return self._adapters.version(name)
 
-    def adapter_bytes(self) -> int:
-        """Memory held by the loaded adapters' tensors."""
-        return sum(a.nbytes for a in self._adapters.adapters.values())
-
     async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
         try:
             adapter = await asyncio.to_thread(
@@ -254,7 +250,12 @@ class LocalBackend:
             logger.info("adapter %s unloaded", swap.name)
         else:
             self._adapters.put(swap.name, swap.adapter)
-            logger.info("adapter %s now serves version %d", swap.name, swap.adapter.version)
+            logger.info(
+                "adapter %s now serves version %d (%.1f MB)",
+                swap.name,
+                swap.adapter.version,
+                swap.adapter.nbytes / 1e6,
+            )
         swap.future.set_result(None)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
