@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from trainer.metrics_sinks import DEFAULT_PROJECT, MetricsSink, MetricsSinkConfig, TrackedRun
@@ -21,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 MLFLOW_RUN_TAG = "rlgate.run_id"
 MLFLOW_BATCH_PARAMS = 100  # MLflow's limit per log_batch call
+# MLflow's HTTP client retries 7 times with a 120 s timeout by default: a tracking server
+# that is down would hold the worker for minutes after every step. rlgate's defaults bound
+# that to about half a minute; a value the worker's environment sets wins.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def make_tracker(name: str, cfg: MetricsSinkConfig) -> MetricsSink:
@@ -103,6 +108,8 @@ class MlflowSink:
 
     def __init__(self, tracking_uri: str, default_experiment: str | None) -> None:
         mlflow = _require("mlflow", "mlflow")
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         self.entities = mlflow.entities
         self.client = mlflow.MlflowClient(tracking_uri=tracking_uri or None)
         self.default_experiment = default_experiment or DEFAULT_PROJECT

@@ -6,6 +6,7 @@ process has nothing else) must find the first one's tracker run again.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -146,3 +147,16 @@ def test_a_tracker_that_cannot_even_start_is_counted(caplog) -> None:
     assert "metrics sink mlflow could not start for run run_s" in caplog.text
     assert sinks.log(tracked("run_s", mlflow=True), 2, STEPS[2]) == 1  # tried again, counted again
     sinks.close()
+
+
+def test_mlflow_retries_are_bounded_unless_the_environment_says_otherwise(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.tracker_sinks import MLFLOW_HTTP_DEFAULTS, MlflowSink
+
+    for name in MLFLOW_HTTP_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "45")
+    MlflowSink(f"sqlite:///{tmp_path / 'mlflow.db'}", None)
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"  # rlgate's bound
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "45"  # the operator's choice
