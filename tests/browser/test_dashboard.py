@@ -178,6 +178,12 @@ def test_every_dashboard_post_needs_the_session_csrf_token(real_run) -> None:
     # a forged session cookie is no session
     fresh.cookies.set("rlgate_session", "e30.deadbeef", path="/dashboard")
     assert fresh.get("/dashboard/api/runs").status_code == 401
+    for path in (f"/dashboard/compare?run={run_id}", f"/dashboard/runs/{run_id}/groups/s0-g0"):
+        r = fresh.get(path, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/dashboard/login", path
+    # the chart library is served from the package itself, with its licence
+    for path in ("uPlot.iife.min.js", "uPlot.min.css", "LICENSE"):
+        assert fresh.get(f"/dashboard/static/vendor/uplot/{path}").status_code == 200
     # with the token, the same POST works
     r = http.post(f"/dashboard/runs/{run_id}/pause", data={"csrf_token": csrf})
     assert r.status_code == 303 and status() == "paused"
