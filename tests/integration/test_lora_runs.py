@@ -301,6 +301,31 @@ def test_the_merged_export_answers_like_the_served_adapter(stack, runs, tmp_path
     assert gap < 1e-3, gap
 
 
+@pytest.mark.parametrize(
+    ("config", "param"),
+    [
+        ({"lora_rank": 0}, "config.lora_rank"),
+        ({"lora_alpha": 16}, "config.lora_alpha"),
+        ({"lora_rank": 8, "lora_dropout": 1.5}, "config.lora_dropout"),
+        ({"lora_rank": 8, "lora_target_modules": ["q_proj", "qkv"]}, "config.lora_target_modules"),
+        ({"lora_rank": 8, "engine": "megatron"}, "config.lora_rank"),
+    ],
+)
+def test_bad_lora_options_are_a_400_naming_the_option(stack, config: dict, param: str) -> None:
+    with stack.admin() as admin:
+        r = admin.post("/admin/v1/runs", json={"name": "bad", "model": "smollm2", "config": config})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_lora_run_rolls_back_to_a_trained_version_only(stack, runs) -> None:
+    run = runs["short"]
+    with stack.admin() as admin:
+        r = admin.post(f"/admin/v1/runs/{run.id}/versions/0/rollback")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    assert _info(stack, run)["current_version"] == 1  # nothing was written
+
+
 def test_the_example_trains_one_of_three_new_runs(stack, runs) -> None:
     """examples/lora_runs.py on the same gateway: three more runs on the same base model."""
     example = Path(__file__).resolve().parents[2] / "examples" / "lora_runs.py"
