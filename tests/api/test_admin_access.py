@@ -28,7 +28,14 @@ def _client(server, key: str | None = None) -> httpx.Client:
 
 def _admin_operations(server, run_b: str) -> list[tuple[str, str]]:
     schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
-    values = {"run_id": run_b, "key_id": "1", "version": "0", "episode_id": "e", "action": "pause"}
+    values = {
+        "run_id": run_b,
+        "key_id": "1",
+        "version": "0",
+        "episode_id": "e",
+        "group_id": "g",
+        "action": "pause",
+    }
     ops = []
     for path, item in schema["paths"].items():
         if not path.startswith("/admin/"):
