@@ -108,7 +108,7 @@ class Replica:
         backend = self.backend
         return backend.adapter_version(name) if isinstance(backend, AdapterBackend) else None
 
-    def adapters(self) -> AdapterBackend:
+    def adapter_backend(self) -> AdapterBackend:
         """Its backend, which must serve adapters."""
         if not isinstance(self.backend, AdapterBackend):
             raise BackendError(f"replica {self.name} does not serve LoRA adapters")
@@ -227,7 +227,7 @@ class ReplicaSet:
         keeps its old adapter (or none), and results say which version they are.
         """
         for replica in self._replicas:
-            replica.adapters()  # refuse before anything is loaded anywhere
+            replica.adapter_backend()  # refuse before anything is loaded anywhere
         async with self._adapter_locks.setdefault(name, asyncio.Lock()):
             self._adapter_targets[name] = (Path(adapter_dir), version)
             failed: list[str] = []
@@ -237,7 +237,7 @@ class ReplicaSet:
                     continue
                 replica.swapping.add(name)
                 try:
-                    await replica.adapters().load_adapter(name, adapter_dir, version)
+                    await replica.adapter_backend().load_adapter(name, adapter_dir, version)
                 except Exception as exc:
                     failed.append(replica.name)
                     await self._on_adapter_failure(
@@ -258,7 +258,7 @@ class ReplicaSet:
                     continue
                 replica.swapping.add(name)
                 try:
-                    await replica.adapters().unload_adapter(name)
+                    await replica.adapter_backend().unload_adapter(name)
                 except Exception as exc:
                     await self._on_adapter_failure(replica, f"unload adapter {name!r}", exc)
                     if replica.healthy:
@@ -442,7 +442,7 @@ class ReplicaSet:
                 return
         for name, (adapter_dir, adapter_version) in list(self._adapter_targets.items()):
             try:  # its server may have restarted without them
-                await replica.adapters().load_adapter(name, adapter_dir, adapter_version)
+                await replica.adapter_backend().load_adapter(name, adapter_dir, adapter_version)
             except Exception as exc:
                 replica.last_error = f"adapter {name!r} on return: {exc}"
                 logger.warning(
