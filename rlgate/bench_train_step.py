@@ -49,8 +49,20 @@ class StepShape:
         return self.groups * self.group_size
 
 
-def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: StepShape) -> None:
-    """A run at version 0 with `steps` queued train steps, each with the same token content."""
+def seed_store(
+    url: str,
+    model_dir: Path,
+    cfg: RunConfig,
+    steps: int,
+    shape: StepShape,
+    run_id: str = RUN_ID,
+    *,
+    seed: int = 0,
+) -> None:
+    """A run at version 0 with `steps` queued train steps, each with the same token content.
+
+    Runs seeded with the same `seed` train the same tokens, whatever their `run_id`.
+    """
     from sqlalchemy.orm import sessionmaker
 
     from gateway.store.db import make_sync_engine
@@ -65,20 +77,20 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
     with sessionmaker(engine).begin() as s:
         s.add(
             Run(
-                id=RUN_ID,
-                name=RUN_ID,
+                id=run_id,
+                name=run_id,
                 model=str(model_dir),
                 model_path=str(model_dir),
                 config=cfg.model_dump(mode="json"),
             )
         )
         s.flush()  # no ORM relationships: the run row must exist before rows that refer to it
-        s.add(PolicyVersion(run_id=RUN_ID, version=0, checkpoint_path=str(model_dir)))
+        s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
         for step in range(steps):
-            rng = random.Random(0)  # every step trains the same tokens
+            rng = random.Random(seed)  # every step trains the same tokens
             s.add(
                 TrainStep(
-                    run_id=RUN_ID,
+                    run_id=run_id,
                     step=step,
                     status=StepStatus.QUEUED,
                     n_episodes=shape.completions,
@@ -90,13 +102,13 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
                 # a GRPO group: one prompt, group_size answers to it
                 prompt = [rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_len))]
                 for e in range(shape.group_size):
-                    episode = f"s{step}-g{g}-e{e}"
+                    episode = f"{run_id}-s{step}-g{g}-e{e}"
                     reward = float(rng.random() < 0.5) if e else float(g % 2)  # mixed groups
                     s.add(
                         Episode(
-                            run_id=RUN_ID,
+                            run_id=run_id,
                             id=episode,
-                            group_id=f"s{step}-g{g}",
+                            group_id=f"{run_id}-s{step}-g{g}",
                             status=EpisodeStatus.QUEUED,
                             reward=reward,
                             train_step=step,
@@ -108,7 +120,7 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
                     s.add(
                         Completion(
                             id=f"c-{episode}",
-                            run_id=RUN_ID,
+                            run_id=run_id,
                             episode_id=episode,
                             messages=[],
                             prompt_token_ids=prompt,
@@ -120,7 +132,7 @@ def seed_store(url: str, model_dir: Path, cfg: RunConfig, steps: int, shape: Ste
                             policy_version=step,
                         )
                     )
-                    s.add(Reward(run_id=RUN_ID, episode_id=episode, value=reward))
+                    s.add(Reward(run_id=run_id, episode_id=episode, value=reward))
     engine.dispose()
 
 

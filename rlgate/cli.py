@@ -14,6 +14,8 @@ from pathlib import Path
 from inference import registry
 from rlgate.settings import Settings
 
+NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "nproc_per_node")
+
 
 def _demo(args: argparse.Namespace) -> int:
     from rlgate.demo import DemoConfig, run_demo
@@ -64,10 +66,12 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(_: argparse.Namespace) -> int:
+def _worker(args: argparse.Namespace) -> int:
     from trainer.worker import run_worker
 
-    run_worker(Settings())
+    # the node flags override RLGATE_NNODES & co. (docs/multinode.md)
+    flags = {k: v for k, v in vars(args).items() if k in NODE_FLAGS and v is not None}
+    run_worker(Settings(**flags))
     return 0
 
 
@@ -175,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     worker = sub.add_parser("worker", help="a Celery worker for train steps")
+    worker.add_argument("--nnodes", type=int, help="nodes of a resident FSDP group (default 1)")
+    worker.add_argument("--node-rank", type=int, help="this node; only node 0 takes tasks")
+    worker.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0's c10d rendezvous")
+    worker.add_argument("--nproc-per-node", type=int, help="ranks on a joining node (default 1)")
     worker.set_defaults(func=_worker)
 
     runs = sub.add_parser("runs", help="manage runs on a gateway at RLGATE_URL")

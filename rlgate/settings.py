@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from inference.replicas import ReplicaConfig
 from trainer.config import QueueConfig
 from trainer.metrics_sinks import MetricsSinkConfig
+from trainer.resident_node import NodeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,20 @@ class Settings(BaseSettings):
         None, ge=1, description="default prompt + output tokens per key per UTC day"
     )
 
+    # Resident torchrun ranks for FSDP/Megatron runs (trainer/resident*.py, docs/trainer.md).
+    resident_ranks: bool = Field(
+        True, description="keep a run's torchrun ranks between steps; false: a group per step"
+    )
+    resident_idle_s: float = Field(
+        600.0, gt=0, description="release a run's resident ranks after this long without a step"
+    )
+    nnodes: int = Field(1, ge=1, description="worker nodes of a resident group (docs/multinode.md)")
+    node_rank: int = Field(0, ge=0, description="this worker's node; 0 takes the Celery tasks")
+    rdzv_endpoint: str = Field("", description="HOST:PORT of node 0's c10d rendezvous")
+    nproc_per_node: int = Field(
+        1, ge=1, description="ranks on a joining node (node_rank > 0); node 0: world_size / nnodes"
+    )
+
     metrics_dir: Path | None = Field(
         None, description="trainer: also write step metrics as JSON lines (and TensorBoard) here"
     )
@@ -208,6 +223,10 @@ class Settings(BaseSettings):
             mlflow_tracking_uri=self.metrics_mlflow_tracking_uri
             or f"sqlite:///{self.data_dir.resolve() / 'mlflow.db'}",
         )
+
+    def node(self) -> NodeSpec:
+        """This worker's place in a (possibly multi-node) resident group."""
+        return NodeSpec(self.nnodes, self.node_rank, self.rdzv_endpoint)
 
     def queue(self) -> QueueConfig:
         return QueueConfig(

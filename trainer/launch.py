@@ -57,22 +57,35 @@ def read_samples(path: Path) -> list[Sample]:
     return [Sample(**d) for d in torch.load(path, weights_only=True)]
 
 
-def torchrun_command(world_size: int, log_dir: Path, worker_args: list[str]) -> list[str]:
+def torchrun_command(
+    world_size: int,
+    log_dir: Path,
+    worker_args: list[str],
+    *,
+    module: str = "trainer.fsdp_worker",
+    rendezvous: list[str] | None = None,
+) -> list[str]:
+    """`python -m torch.distributed.run` starting `module` on `world_size` local ranks.
+
+    `rendezvous`: torchrun's node and rendezvous flags (`NodeSpec.torchrun_args`);
+    None: one node (`--standalone`).
+    """
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(rendezvous or ["--standalone"]),
         f"--nproc_per_node={world_size}",
         f"--log-dir={log_dir}",
         "--redirects=3",
         "-m",
-        "trainer.fsdp_worker",
+        module,
         *worker_args,
     ]
 
 
-def _tails(work: Path) -> str:
+def rank_tails(work: Path) -> str:
+    """The tail of torchrun's own log and of every rank's stderr under `work`."""
     parts = []
     launcher = work / "torchrun.log"
     for path in [launcher, *sorted((work / "logs").rglob("stderr.log"))]:
@@ -151,16 +164,16 @@ def run_fsdp_step(
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 raise FsdpStepError(
-                    f"FSDP step timed out after {timeout_s:.0f}s\n{_tails(work)}"
+                    f"FSDP step timed out after {timeout_s:.0f}s\n{rank_tails(work)}"
                 ) from None
         if not metrics.is_file():
-            raise FsdpStepError(f"FSDP step failed (torchrun exit {rc})\n{_tails(work)}")
+            raise FsdpStepError(f"FSDP step failed (torchrun exit {rc})\n{rank_tails(work)}")
         if rc != 0:
             # Rank 0 writes the metrics last, after the step and the checkpoint are complete;
             # a rank that dies after that died in process-group teardown, not in the step.
-            logger.warning("torchrun exited %d after the step completed:\n%s", rc, _tails(work))
+            logger.warning("torchrun exited %d after the step completed:\n%s", rc, rank_tails(work))
         result = json.loads(metrics.read_text())
         if optimizer_in is not None and not result.get("optimizer_resumed"):
             logger.warning(
@@ -171,7 +184,7 @@ def run_fsdp_step(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """Stop torchrun and its rank processes (they share the session we started)."""
     for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:

@@ -2,7 +2,9 @@
 
 Idempotent by (run, step): a step already done returns at once, and the
 version bump is a conditional update (`current_version == step`), so a
-retried or duplicated task can never advance the run twice.
+retried or duplicated task can never advance the run twice. A torchrun engine
+(FSDP, Megatron) runs on the run's resident ranks (`trainer.resident_pool`),
+or, with `RLGATE_RESIDENT_RANKS=false`, on a fresh torchrun group per step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tempfile
 import time
 from collections import Counter
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ from trainer.engine_check import EngineUnavailable, engine_unavailable
 from trainer.engines import engine_class, engine_entry
 from trainer.launch import run_fsdp_step, write_samples
 from trainer.metrics_sinks import TrackedRun, make_sinks
+from trainer.resident_pool import ResidentPool
+from trainer.resident_protocol import Init
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class Trainer:
         self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
         self.engines: dict[str, Engine] = {}  # in-process engines only (not torchrun)
         self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B/MLflow
+        # torchrun engines: each run's ranks stay up between steps (trainer.resident_pool)
+        self.resident = ResidentPool(settings.node(), settings.resident_idle_s, self._run_active)
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
@@ -86,10 +93,12 @@ class Trainer:
             # The store itself is unreachable: nothing to mark. Celery retries the task with
             # backoff (see register_tasks); the step stays "running" until then.
             self.engines.pop(run_id, None)
+            self.resident.discard(run_id)
             raise
         except Exception as exc:
             logger.exception("step %d of run %s failed", step, run_id)
             self.engines.pop(run_id, None)
+            self.resident.discard(run_id)
             self._fail(run_id, step, exc)
             raise
 
@@ -115,7 +124,10 @@ class Trainer:
                 engine = self.engine_for(run, cfg, s)
         out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        if torchrun:  # torchrun ranks in a subprocess: this worker may be a child
+        if torchrun and self.settings.resident_ranks:
+            threads = self._threads_per_rank(cfg.world_size)
+            metrics = self._resident_step(run_id, cfg, checkpoint, step, samples, out, model_path)
+        elif torchrun:  # torchrun ranks in a subprocess: this worker may be a child
             threads = self._threads_per_rank(cfg.world_size)
             with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
                 metrics = run_fsdp_step(
@@ -176,6 +188,49 @@ class Trainer:
             self._record_sink_errors(run_id, step, failed)
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
 
+    def _resident_step(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        checkpoint: Path,
+        step: int,
+        samples: list,
+        out: Path,
+        model_path: Path,
+    ) -> dict[str, Any]:
+        """The step on the run's resident ranks; a new group starts from `checkpoint` (v`step`)."""
+        keep = cfg.save_optimizer_state
+        init = Init(
+            config={"run": cfg.model_dump(mode="json"), "parallel": cfg.parallel.model_dump()},
+            checkpoint_dir=str(checkpoint),
+            version=step,
+            reference_dir=str(model_path) if cfg.kl_coef > 0 or cfg.lora else None,
+            # a new group resumes the moments saved when the last one was released, if for v`step`
+            optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)) if keep else None,
+        )
+        return self.resident.step(
+            run_id,
+            init,
+            cfg.world_size,
+            samples,
+            out,
+            model_path,
+            optimizer_dir=partial(self._fsdp_optimizer_dir, run_id) if keep else None,
+            threads_per_rank=self._threads_per_rank(cfg.world_size),
+            timeout_s=self.settings.step_timeout_s,
+        )
+
+    def _run_active(self, run_id: str) -> bool:
+        """Whether `run_id` still trains (the reaper releases the ranks of one that does not)."""
+        with self.sessions() as s:
+            run = s.get(Run, run_id)
+            return run is not None and run.status == "active"
+
+    def close(self) -> None:
+        """Worker shutdown: release every resident group, then close the trackers."""
+        self.resident.close()
+        self.sinks.close()
+
     def _record_sink_errors(self, run_id: str, step: int, failed: int) -> None:
         """`sink_errors` into a done step's metrics; the step stays done whatever happens here."""
         try:
@@ -219,8 +274,9 @@ class Trainer:
 
 def register_tasks(app: Celery, settings: Settings) -> Trainer:
     trainer = Trainer(settings)
-    # W&B and MLflow runs are closed (finished) when the worker stops; a new worker resumes them
-    worker_shutdown.connect(lambda **_: trainer.sinks.close(), weak=False)
+    # Resident ranks are released (AdamW saved if the run keeps it) and W&B and MLflow runs
+    # are closed (finished) when the worker stops; a new worker resumes both
+    worker_shutdown.connect(lambda **_: trainer.close(), weak=False)
 
     @app.task(
         name=TRAIN_STEP_TASK,

@@ -37,8 +37,18 @@ def apply_threads(settings: Settings) -> int:
 
 
 def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
-    """Blocks. Solo pool: one step at a time, and torchrun children can be spawned from it."""
+    """Blocks. Solo pool: one step at a time, and torchrun children can be spawned from it.
+
+    On node R > 0 of a multi-node group (`settings.node_rank`) it takes no tasks and only
+    lends its ranks to the groups node 0 forms (`trainer.resident_join`).
+    """
     die_with_parent()  # when started by `rlgate up` or the demo: stop with it
+    if settings.node_rank > 0:
+        from trainer.resident_join import join_forever
+
+        budget = settings.threads().trainer
+        join_forever(settings.node(), settings.nproc_per_node, budget // settings.nproc_per_node)
+        return
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     apply_threads(settings)
     app = make_celery(settings.queue())

@@ -1,0 +1,223 @@
+"""A resident torchrun rank group: started once per (run, world size), kept across train steps.
+
+The worker starts `torchrun -m trainer.resident_rank` and listens on a Unix
+socket in the group's scratch directory; the leader rank connects back and
+the two speak `trainer.resident_protocol`. Model, AdamW state and the frozen
+reference stay in the ranks' memory from one `step` to the next; each step
+still writes the checkpoint of version N+1 (the inference servers load it).
+
+Failure contract: any rank that fails ends the whole group (torchrun stops
+the others, `--max-restarts=0`), the worker reads the end of the stream or
+sees torchrun exit, and `ResidentGroupError` carries every local rank's
+stderr tail. The group is then unusable: the caller `kill`s it and the next
+attempt forms a new one from the last saved state (`trainer.resident_pool`).
+
+Lifetime: torchrun runs as a `TetheredProcess` (it and its process group
+get SIGTERM, then SIGKILL, when this process dies, SIGKILL included), and
+each rank has PR_SET_PDEATHSIG on torchrun (`resident_rank.die_with_launcher`),
+since torchrun starts every rank in a session of its own.
+
+Weights without the disk (issue 26, item 3) fits here: the leader already
+holds the group's rank 0 side of the conversation, so a `Broadcast` command
+that makes every rank gather its shards and rank 0 broadcast them over a
+process group the inference servers have joined is one more message type;
+the group, its lifetime and its failure contract stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rlgate.lifeline import TetheredProcess
+from trainer import resident_protocol as proto
+from trainer.batch import Sample
+from trainer.launch import kill_group, rank_tails, torchrun_command, write_samples
+from trainer.resident_node import NodeSpec
+from trainer.resident_rank import SOCKET_ENV
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2
+
+
+class ResidentGroupError(RuntimeError):
+    """The group failed, exited or timed out; the message holds the ranks' stderr tails."""
+
+
+def start_ranks(
+    node: NodeSpec, local_ranks: int, work: Path, threads_per_rank: int, env: dict[str, str]
+) -> TetheredProcess:
+    """torchrun for this node's share of a resident group, logging under `work`."""
+    cmd = torchrun_command(
+        local_ranks,
+        work / "logs",
+        [],
+        module="trainer.resident_rank",
+        rendezvous=node.torchrun_args(),
+    )
+    log = open(work / "torchrun.log", "ab")  # noqa: SIM115 - torchrun holds it; closed on exit
+    try:
+        return TetheredProcess(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                **env,
+                "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
+                "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
+            },
+        )
+    finally:
+        log.close()
+
+
+class ResidentGroup:
+    """A torchrun group holding one run's engine at `version`; see the module docstring."""
+
+    def __init__(
+        self,
+        init: proto.Init,
+        world_size: int,
+        *,
+        node: NodeSpec | None = None,
+        threads_per_rank: int = 1,
+        start_timeout_s: float = 1800.0,
+    ) -> None:
+        """Start the ranks and wait until every one has built the engine (`Ready`)."""
+        self.node = node or NodeSpec()
+        self.world_size = world_size
+        self.work = Path(tempfile.mkdtemp(prefix="rlgate-resident-"))
+        self.version = init.version
+        self.steps = 0
+        self.last_used = time.monotonic()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = str(self.work / "leader.sock")
+        listener.bind(path)
+        listener.listen(1)
+        self.proc = start_ranks(
+            self.node,
+            self.node.local_ranks(world_size),
+            self.work,
+            threads_per_rank,
+            {SOCKET_ENV: path},
+        )
+        self.sock: socket.socket | None = None
+        try:
+            self.sock = self._accept(listener, start_timeout_s)
+            proto.send(self.sock, init)
+            ready = self._reply(start_timeout_s, "start")
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            listener.close()
+        assert isinstance(ready, proto.Ready)
+        self.pids: list[int] = ready.pids
+        self.optimizer_resumed = ready.optimizer_resumed
+        logger.info(
+            "resident group of %d ranks (pids %s) at v%d in %s",
+            world_size,
+            self.pids,
+            self.version,
+            self.work,
+        )
+
+    def alive(self) -> bool:
+        return self.sock is not None and self.proc.poll() is None
+
+    def step(
+        self, samples: list[Sample], out_dir: Path, tokenizer_dir: Path, timeout_s: float = 3600.0
+    ) -> dict[str, Any]:
+        """One step from `version` to `version + 1` and its checkpoint in `out_dir`."""
+        path = write_samples(samples, self.work / "samples.pt")
+        msg = proto.Step(str(path), str(Path(out_dir).resolve()), str(tokenizer_dir), self.version)
+        done = self._call(msg, timeout_s, f"step from v{self.version}")
+        self.version = int(done.metrics["version"])
+        self.steps += 1
+        return done.metrics
+
+    def save_optimizer(self, state_dir: Path, timeout_s: float = 600.0) -> None:
+        """AdamW's sharded state for the current version, into `state_dir` (DCP)."""
+        self._call(proto.SaveOptimizer(str(state_dir)), timeout_s, "optimizer save")
+
+    def release(self, optimizer_dir: Path | None = None, timeout_s: float = 600.0) -> None:
+        """Save AdamW (when `optimizer_dir` is given) and stop the ranks; kill them on failure."""
+        try:
+            if self.alive():
+                if optimizer_dir is not None:
+                    self.save_optimizer(optimizer_dir, timeout_s)
+                self._call(proto.Shutdown(), timeout_s, "shutdown")
+                self.proc.wait(timeout=timeout_s)
+        except (ResidentGroupError, subprocess.TimeoutExpired, OSError):
+            logger.exception("resident group in %s did not stop cleanly: killing it", self.work)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop torchrun and every rank now, and drop the scratch directory. Idempotent."""
+        if self.sock is not None:
+            self.sock.close()  # the leader sees the end of the stream and exits
+            self.sock = None
+        if self.proc.poll() is None:
+            kill_group(self.proc)  # torchrun's SIGTERM handler stops its ranks
+        self.proc.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    # --- the conversation with the leader
+
+    def _call(self, msg: proto.Message, timeout_s: float, what: str) -> proto.Done:
+        if not self.alive():
+            raise ResidentGroupError(f"{what}: the group has stopped\n{rank_tails(self.work)}")
+        self.last_used = time.monotonic()
+        try:
+            proto.send(self.sock, msg)
+        except OSError as exc:
+            raise self._failed(what, exc) from exc
+        reply = self._reply(timeout_s, what)
+        self.last_used = time.monotonic()
+        if not isinstance(reply, proto.Done):
+            raise ResidentGroupError(f"{what}: unexpected reply {reply!r}")
+        return reply
+
+    def _reply(self, timeout_s: float, what: str) -> proto.Message:
+        """The leader's next message, while torchrun lives and within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _, _ = select.select([self.sock], [], [], POLL_S)
+            if ready:
+                try:
+                    return proto.recv(self.sock)
+                except (proto.ProtocolError, OSError) as exc:
+                    raise self._failed(what, exc) from exc
+            if self.proc.poll() is not None:
+                raise self._failed(what, f"torchrun exited {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise self._failed(what, f"no answer in {timeout_s:.0f} s")
+
+    def _accept(self, listener: socket.socket, timeout_s: float) -> socket.socket:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([listener], [], [], POLL_S)
+            if ready:
+                return listener.accept()[0]
+            if self.proc.poll() is not None:
+                raise self._failed("start", f"torchrun exited {self.proc.returncode}")
+        raise self._failed("start", f"no leader rank in {timeout_s:.0f} s")
+
+    def _failed(self, what: str, why: object) -> ResidentGroupError:
+        # give torchrun a moment to stop the ranks and flush their logs: the traceback is there
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        tails = rank_tails(self.work)
+        return ResidentGroupError(f"resident group {what} failed ({why})\n{tails}")
