@@ -137,11 +137,23 @@ class ResidentGroup:
         return self.sock is not None and self.proc.poll() is None
 
     def step(
-        self, samples: list[Sample], out_dir: Path, tokenizer_dir: Path, timeout_s: float = 3600.0
+        self,
+        samples: list[Sample],
+        out_dir: Path,
+        tokenizer_dir: Path,
+        timeout_s: float = 3600.0,
+        optimizer_out: Path | None = None,
     ) -> dict[str, Any]:
-        """One step from `version` to `version + 1` and its checkpoint in `out_dir`."""
+        """One step from `version` to `version + 1`, its checkpoint in `out_dir` (and AdamW's
+        state in `optimizer_out`, if given)."""
         path = write_samples(samples, self.work / "samples.pt")
-        msg = proto.Step(str(path), str(Path(out_dir).resolve()), str(tokenizer_dir), self.version)
+        msg = proto.Step(
+            str(path),
+            str(Path(out_dir).resolve()),
+            str(tokenizer_dir),
+            self.version,
+            optimizer_out=str(optimizer_out) if optimizer_out is not None else None,
+        )
         done = self._call(msg, timeout_s, f"step from v{self.version}")
         self.version = int(done.metrics["version"])
         self.steps += 1

@@ -6,17 +6,18 @@ Rules (docs/trainer.md, "Resident ranks"):
   version N and of the run's world size; otherwise the old group is released
   and a new one formed from version N's checkpoint (and AdamW's state saved
   for version N, if any).
-- **Release** (AdamW saved first when the run sets `save_optimizer_state`):
-  when the run is no longer active (paused, stopped, failed), when the group
-  has been idle `idle_s`, and when the worker shuts down. A reaper thread
-  checks every few seconds; it never touches a group that is in a step.
+- **Release**, AdamW's state saved first: when the run is no longer active
+  (paused, stopped, failed), when the group has been idle `idle_s`, and when
+  the worker shuts down. A reaper thread checks every few seconds; it never
+  touches a group that is in a step. A run with `save_optimizer_state` also
+  saves it after every step, so that a crash loses nothing.
 - **Crash.** A group that fails (a rank died, a timeout, a protocol error)
   is killed without saving: its in-memory state may be a step ahead of the
   store. The retry forms a new group from the newest recorded version's
   checkpoint, with AdamW's state only if one was saved for exactly that
   version (else fresh, logged, `optimizer_resumed: 0`). So no update is
-  applied twice and none is half-applied; what a crash can lose is AdamW's
-  moments since the last release.
+  applied twice and none is half-applied; what a crash can lose, without
+  `save_optimizer_state`, is AdamW's moments since the last release.
 - **Several nodes.** One group at a time: the rendezvous endpoint is one
   port, so forming a group for another run releases the current one first.
 """
@@ -75,18 +76,22 @@ class ResidentPool:
         optimizer_dir: Callable[[int], Path] | None,
         threads_per_rank: int,
         timeout_s: float,
+        every_step: bool = False,
     ) -> dict:
         """One step of `run_id` from `init.version` on its resident group (formed if needed).
 
-        A failure kills the group and re-raises: the caller fails the attempt.
+        `optimizer_dir(version)`: where AdamW's state goes on release (and after every
+        step when `every_step`). A failure kills the group and re-raises: the caller
+        fails the attempt.
         """
+        state = optimizer_dir(init.version + 1) if optimizer_dir and every_step else None
         while True:
             slot = self._slot_for(run_id, init, world_size, optimizer_dir, threads_per_rank)
             with slot.lock:
                 if self.slots.get(run_id) is not slot:
                     continue  # the reaper released it between the two lines above
                 try:
-                    return slot.group.step(samples, out_dir, tokenizer_dir, timeout_s)
+                    return slot.group.step(samples, out_dir, tokenizer_dir, timeout_s, state)
                 except BaseException:
                     self.discard(run_id)
                     raise

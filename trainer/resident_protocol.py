@@ -59,6 +59,7 @@ class Step:
     out_dir: str
     tokenizer_dir: str
     version: int  # N: a group at any other version refuses (a worker bug, not a retry)
+    optimizer_out: str | None = None  # also save AdamW's state for N+1 here (DCP)
     op: str = "step"
 
 

@@ -117,6 +117,8 @@ class Rank:
                 if msg.version != engine.version:
                     raise RuntimeError(f"step from v{msg.version} sent at v{engine.version}")
                 metrics = engine.step(samples)
+                if msg.optimizer_out is not None:
+                    engine.save_optimizer(Path(msg.optimizer_out))
                 engine.save(Path(msg.out_dir), Path(msg.tokenizer_dir))
                 self.steps += 1
                 engine.optimizer_resumed = True  # the next step starts from these moments

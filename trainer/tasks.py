@@ -199,14 +199,14 @@ class Trainer:
         model_path: Path,
     ) -> dict[str, Any]:
         """The step on the run's resident ranks; a new group starts from `checkpoint` (v`step`)."""
-        keep = cfg.save_optimizer_state
+        keep = cfg.save_optimizer_state  # every step; on release always (trainer.resident_pool)
         init = Init(
             config={"run": cfg.model_dump(mode="json"), "parallel": cfg.parallel.model_dump()},
             checkpoint_dir=str(checkpoint),
             version=step,
             reference_dir=str(model_path) if cfg.kl_coef > 0 or cfg.lora else None,
-            # a new group resumes the moments saved when the last one was released, if for v`step`
-            optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)) if keep else None,
+            # a new group resumes the moments saved for v`step`, after a step or on a release
+            optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)),
         )
         return self.resident.step(
             run_id,
@@ -215,9 +215,10 @@ class Trainer:
             samples,
             out,
             model_path,
-            optimizer_dir=partial(self._fsdp_optimizer_dir, run_id) if keep else None,
+            optimizer_dir=partial(self._fsdp_optimizer_dir, run_id),
             threads_per_rank=self._threads_per_rank(cfg.world_size),
             timeout_s=self.settings.step_timeout_s,
+            every_step=keep,
         )
 
     def _run_active(self, run_id: str) -> bool:
