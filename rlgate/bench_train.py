@@ -9,6 +9,10 @@ the median is reported.
 
 `step_ratio`: a 16-completion train step through the worker's code path
 against a bare transformers loop on the same batch (`rlgate.bench_train_step`).
+
+`fsdp_step_ratio` (with `--engine fsdp --world-size N`): the same step on the
+run's resident FSDP ranks against the local engine, and `fsdp_per_step_ratio`,
+the path before resident ranks (`rlgate.bench_train_fsdp`).
 Both parts run on the same torch thread count, printed. The last printed
 line is one JSON object.
 """
@@ -147,6 +151,23 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--step-repeats", type=int, default=5, help="step_ratio: warm steps timed per side"
     )
+    p.add_argument(
+        "--engine",
+        default="local",
+        choices=["local", "fsdp"],
+        help="fsdp: also fsdp_step_ratio, a resident FSDP step / the local engine's",
+    )
+    p.add_argument("--world-size", type=int, default=1, help="--engine fsdp: ranks")
+    p.add_argument(
+        "--no-per-step",
+        action="store_true",
+        help="--engine fsdp: skip the side with a torchrun group per step (before resident ranks)",
+    )
+    p.add_argument(
+        "--fsdp-only",
+        action="store_true",
+        help="--engine fsdp: skip the ratio and step_ratio parts",
+    )
     return p
 
 
@@ -158,7 +179,19 @@ def run(args: argparse.Namespace) -> int:
 
     threads = args.threads or Settings().threads().trainer
     print(f"torch threads: {threads}")
-    result = bench_train(
+    model_dir = resolve_model(args.model, model_cache(args.cache_dir))
+    result: dict = {"bench": "train", "model": args.model}
+    if args.engine == "fsdp":
+        from rlgate.bench_train_fsdp import bench_fsdp_step_ratio
+
+        with work_dir("train-fsdp", args.work_dir) as work:
+            result |= bench_fsdp_step_ratio(
+                model_dir, work, threads, args.step_repeats, args.world_size, not args.no_per_step
+            )
+        if args.fsdp_only:
+            print(json.dumps(result))
+            return 0
+    result |= bench_train(
         model=args.model,
         cache_dir=args.cache_dir,
         n_samples=args.samples,
@@ -170,7 +203,6 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=threads,
     )
-    model_dir = resolve_model(args.model, model_cache(args.cache_dir))
     with work_dir("train", args.work_dir) as work:
         result |= bench_step_ratio(model_dir, work, threads, args.step_repeats)
     print(json.dumps(result))

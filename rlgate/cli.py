@@ -129,6 +129,7 @@ BENCHES = {
     "swap": ("rlgate.bench_swap", "vLLM hot-swap seconds vs a server restart"),
     "learn": ("rlgate.bench_learn", "held-out reward from one sample budget: rlgate vs TRL"),
     "tenants": ("rlgate.bench_tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
+    "served": ("rlgate.bench_served", "last reward to new version served: fsdp vs local engine"),
 }
 
 
