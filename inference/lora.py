@@ -161,7 +161,7 @@ class AdapterBank:
         self.adapters: dict[str, Adapter] = {}
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         # during a batch: per adapter in it, (adapter, the row indices that use it)
-        self._rows: list[tuple[Adapter, torch.Tensor]] = []
+        self._rows: list[tuple[Adapter, torch.Tensor | None]] = []  # None: every row
 
     def version(self, name: str) -> int | None:
         adapter = self.adapters.get(name)
@@ -195,7 +195,13 @@ class AdapterBank:
                 rows.setdefault(name, []).append(i)
         device = next(self.model.parameters()).device
         self._rows = [
-            (self.adapters[name], torch.tensor(idx, dtype=torch.long, device=device))
+            # every row on one adapter (one run's batch): no gather and scatter needed
+            (
+                self.adapters[name],
+                None
+                if len(idx) == len(row_adapters)
+                else torch.tensor(idx, dtype=torch.long, device=device),
+            )
             for name, idx in rows.items()
         ]
         try:
@@ -212,9 +218,12 @@ class AdapterBank:
                 layer = adapter.layers.get(module_name)
                 if layer is None:
                     continue
-                xs = x.index_select(0, idx).to(layer.a.dtype)
-                delta = (xs @ layer.a.T) @ layer.b.T * layer.scale
-                out = out.index_add(0, idx, delta.to(out.dtype))
+                xs = x if idx is None else x.index_select(0, idx)
+                delta = (xs.to(layer.a.dtype) @ layer.a.T) @ layer.b.T * layer.scale
+                if idx is None:
+                    out = out + delta.to(out.dtype)
+                else:
+                    out = out.index_add(0, idx, delta.to(out.dtype))
             return out
 
         return add_lora

@@ -77,17 +77,23 @@ def _peft_logprobs(
     return picked[-n_out:]
 
 
-def test_a_mixed_batch_forward_equals_each_row_alone_with_peft(
-    tiny_model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]]
+@pytest.mark.parametrize(
+    "rows", [[None, "a", "b", "a"], ["b", "b", "b", "b"]], ids=["mixed", "one-adapter"]
+)
+def test_a_batch_forward_equals_each_row_alone_with_peft(
+    tiny_model_dir: Path,
+    adapters: dict[str, Path],
+    prompts: list[list[int]],
+    rows: list[str | None],
 ) -> None:
-    """Right-padded rows of base, a, b and a again in one forward; each row against peft."""
+    """Right-padded rows in one forward (several adapters and the base, or one adapter for
+    every row, which skips the gather); each row against peft."""
     from peft import PeftModel
 
     model = _base(tiny_model_dir)
     bank = AdapterBank(model)
     bank.put("a", read_adapter(adapters["a"], model, 1))
     bank.put("b", read_adapter(adapters["b"], model, 7))
-    rows = [None, "a", "b", "a"]
     width = max(map(len, prompts))
     ids = torch.zeros((4, width), dtype=torch.long)
     mask = torch.zeros_like(ids)
