@@ -226,24 +226,32 @@ class BackendPool:
         logger.info("run %s: %d %s replica(s) at v%d", run_id, len(urls), backend, version)
         return RunServing(replicas, template, max_context)
 
+    def _replica_set(self, run_id: str) -> ReplicaSet | None:
+        """The loaded run's replica set, also behind a remote LoRA run's adapter view."""
+        serving = self._serving.get(run_id)
+        backend = None if serving is None else serving.backend
+        if isinstance(backend, AdapterView):
+            backend = backend.backend
+        return backend if isinstance(backend, ReplicaSet) else None
+
     async def add_replica(self, run_id: str, kind: str, url: str) -> None:
         """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
-        serving = self._serving.get(run_id)
-        if serving is not None and isinstance(serving.backend, ReplicaSet):
-            await serving.backend.add_replica(url, registry.get(kind).connect_to(url), url)
+        replicas = self._replica_set(run_id)
+        if replicas is not None:
+            await replicas.add_replica(url, registry.get(kind).connect_to(url), url)
 
     async def remove_replica(self, run_id: str, url: str) -> None:
         """Drain and drop a server from a loaded run; the last one unloads the run."""
-        serving = self._serving.get(run_id)
-        if serving is None or not isinstance(serving.backend, ReplicaSet):
+        replicas = self._replica_set(run_id)
+        if replicas is None:
             return
-        names = {r["name"] for r in serving.backend.replica_status()}
+        names = {r["name"] for r in replicas.replica_status()}
         if url not in names:
             return
         if len(names) == 1:
             await self.unload(run_id)
         else:
-            await serving.backend.remove_replica(url)
+            await replicas.remove_replica(url)
 
     def backend_threads(self) -> dict[str, int]:
         """Run id -> torch threads its in-process backend samples on (remote runs: absent)."""
@@ -256,10 +264,8 @@ class BackendPool:
 
     def replica_status(self, run_id: str) -> list[dict] | None:
         """Per replica: name, url, healthy, loading, version, outstanding... (None: not loaded)."""
-        serving = self._serving.get(run_id)
-        if serving is None or not isinstance(serving.backend, ReplicaSet):
-            return None
-        return serving.backend.replica_status()
+        replicas = self._replica_set(run_id)
+        return None if replicas is None else replicas.replica_status()
 
     async def unload(self, run_id: str) -> None:
         """Stop serving the run; a LoRA run unloads only its adapter from the shared base."""
