@@ -29,9 +29,9 @@ def redis_url() -> str:
     return REDIS_URL
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+@contextlib.contextmanager
+def fresh_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database (its URL), dropped afterwards."""
     name = "rlgate_it_" + uuid.uuid4().hex[:10]
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -40,6 +40,20 @@ def postgres_url() -> Iterator[str]:
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    with fresh_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database shared by one test module."""
+    with fresh_database() as url:
+        yield url
 
 
 @dataclass

@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -34,142 +32,30 @@ import pytest
 import torch
 
 from rlgate.settings import Settings
+from tests.integration.lora_agents import (
+    CONFIG,
+    GREEDY_TOKENS,
+    MAX_STEPS,
+    REWARDS,
+    SAMPLE_TOKENS,
+    LoraRun,
+    run_info,
+    train_one_step,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PROMPT = "Pick a number from 1 to 5. Answer with the number only."
-CONFIG = {
-    "lora_rank": 8,
-    "group_size": 4,
-    "groups_per_step": 1,
-    "micro_batch_size": 4,
-    "learning_rate": 3e-3,  # high for LoRA: a few steps move the greedy answer
-    "max_pending_episodes": 256,  # greedy probes are episodes too (never rewarded)
-    "zero_variance_groups": "skip",  # a group whose answers all score the same waits
-}
-SAMPLE_TOKENS = 8
-GREEDY_TOKENS = 10
-MAX_STEPS = 12
-TIE = 1e-4  # logits this close to the maximum count as a greedy choice (float noise)
-
-
-def _favour(text: str, n_tokens: int) -> float:
-    return 0.0 if text.strip().startswith("1") else 1.0
-
-
-def _short(text: str, n_tokens: int) -> float:
-    return -n_tokens / SAMPLE_TOKENS
-
-
-def _two(text: str, n_tokens: int) -> float:
-    return 1.0 if "2" in text else -n_tokens / (10 * SAMPLE_TOKENS)
-
-
-REWARDS: dict[str, Callable[[str, int], float]] = {
-    "favour": _favour,
-    "short": _short,
-    "two": _two,
-}
-
-
-@dataclass
-class LoraRun:
-    info: dict
-    root: str
-    db: str
-    waves: int = 0
-
-    @property
-    def id(self) -> str:
-        return self.info["run_id"]
-
-    def agent(self, path: str = "") -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.root}{path}/v1", api_key=self.info["api_key"], max_retries=0
-        )
-
-    def stored(self, completion_id: str) -> dict:
-        """The completion as the gateway stored it: prompt and output ids, logprobs, version."""
-        import numpy as np
-        import psycopg
-
-        with psycopg.connect(self.db) as conn:
-            ((prompt, output, logprobs, version),) = conn.execute(
-                "SELECT prompt_token_ids, output_token_ids, output_logprobs, policy_version "
-                "FROM completions WHERE id = %s",
-                (completion_id,),
-            ).fetchall()
-        return {
-            "prompt": np.frombuffer(prompt, dtype="<i4").tolist(),
-            "output": np.frombuffer(output, dtype="<i4").tolist(),
-            "logprobs": np.frombuffer(logprobs, dtype="<f4").tolist(),
-            "version": version,
-        }
-
-    def ask(self, temperature: float, max_tokens: int, path: str = "") -> dict:
-        resp = self.agent(path).chat.completions.create(
-            model=self.info["name"],
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=max_tokens,
-            temperature=temperature,
-        )
-        row = self.stored(resp.id)
-        assert row["version"] == resp.model_extra["policy_version"]
-        return {**row, "text": resp.choices[0].message.content or ""}
-
-    def greedy(self) -> tuple[list[int], int]:
-        """The run's greedy answer to PROMPT: (output token ids, policy version)."""
-        row = self.ask(0.0, GREEDY_TOKENS, f"/groups/greedy/episodes/greedy-{time.monotonic_ns()}")
-        return row["output"], row["version"]
-
-    def wave(self, reward: Callable[[str, int], float]) -> list[float]:
-        """One group of sampled answers, each rewarded by `reward`; the rewards."""
-        g = self.waves
-        self.waves += 1
-        rewards = []
-        for e in range(CONFIG["group_size"]):
-            path = f"/groups/g{g}/episodes/e{g}-{e}"
-            resp = self.agent(path).chat.completions.create(
-                model=self.info["name"],
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=SAMPLE_TOKENS,
-                temperature=1.0,
-            )
-            r = reward(resp.choices[0].message.content or "", resp.usage.completion_tokens)
-            self.agent(path).post(
-                "/rewards", body={"completion_id": resp.id, "reward": r}, cast_to=object
-            )
-            rewards.append(r)
-        return rewards
-
 
 @pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    """A fresh PostgreSQL database for this module, dropped afterwards."""
-    import uuid
-
-    import psycopg
-
-    from tests.integration.conftest import PG_ADMIN
-
-    name = "rlgate_it_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, database: str, smollm2_cache: Path, tmp_path_factory) -> Iterator:
+def stack(
+    redis_url: str, module_postgres_url: str, smollm2_cache: Path, tmp_path_factory
+) -> Iterator:
     from tests.integration.conftest import running_stack
 
     tmp = tmp_path_factory.mktemp("lora")
     settings = Settings(
         data_dir=tmp / "data",
-        database_url=database,
+        database_url=module_postgres_url,
         broker_url=redis_url,
         queue_name=f"train-{tmp.name}",
         admin_key="lora-admin-key",
@@ -182,7 +68,7 @@ def stack(redis_url: str, database: str, smollm2_cache: Path, tmp_path_factory) 
 
 
 @pytest.fixture(scope="module")
-def runs(stack, database: str) -> dict[str, LoraRun]:
+def runs(stack, module_postgres_url: str) -> dict[str, LoraRun]:
     made = {}
     with stack.admin() as admin:
         for name in REWARDS:
@@ -190,32 +76,10 @@ def runs(stack, database: str) -> dict[str, LoraRun]:
                 "/admin/v1/runs", json={"name": name, "model": "smollm2", "config": CONFIG}
             )
             assert r.status_code == 201, r.text
-            info = r.json()
-            made[name] = LoraRun(info, info["base_url"].removesuffix("/v1"), database)
+            created = r.json()
+            root = created["base_url"].removesuffix("/v1")
+            made[name] = LoraRun(created, root, module_postgres_url)
     return made
-
-
-def _info(stack, run: LoraRun) -> dict:
-    with stack.admin() as admin:
-        return admin.get(f"/admin/v1/runs/{run.id}").json()
-
-
-def _train_one_step(stack, run: LoraRun, reward: Callable[[str, int], float]) -> int:
-    """Waves of the run's own reward until its version moves by one; the new version."""
-    target = _info(stack, run)["current_version"] + 1
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        rewards = run.wave(reward)
-        if len(set(rewards)) == 1:
-            continue  # a zero-variance group is skipped (zero_variance_groups: skip)
-        while time.monotonic() < deadline:
-            info = _info(stack, run)
-            if info["served_version"] == target:
-                return target
-            time.sleep(0.3)
-    with stack.admin() as admin:
-        steps = admin.get(f"/admin/v1/runs/{run.id}/steps").json()
-    raise AssertionError(f"{run.info['name']} never served v{target}; steps: {steps}")
 
 
 # --- each run trains on its own rewards; nobody else moves ----------------------------------
@@ -228,7 +92,7 @@ def test_each_run_trains_on_its_own_rewards_and_moves_only_itself(stack, runs) -
     for name, run in runs.items():
         others = {n: r.greedy() for n, r in runs.items() if n != name}
         for _ in range(MAX_STEPS if name == "favour" else 1):
-            version = _train_one_step(stack, run, REWARDS[name])
+            version = train_one_step(stack, run, REWARDS[name])
             for other, before in others.items():  # token for token, at the same version
                 assert runs[other].greedy() == before, f"{other} moved when {name} trained"
             if run.greedy()[0] != base[name][0]:
@@ -239,14 +103,16 @@ def test_each_run_trains_on_its_own_rewards_and_moves_only_itself(stack, runs) -
     assert trained != base["favour"][0], f"no change in {version} steps"
 
 
-def test_a_version_is_an_adapter_a_few_mb(stack, runs, database: str, smollm2_cache: Path) -> None:
+def test_a_version_is_an_adapter_a_few_mb(
+    stack, runs, module_postgres_url: str, smollm2_cache: Path
+) -> None:
     import psycopg
 
     run = runs["favour"]
-    with psycopg.connect(database) as conn:
+    with psycopg.connect(module_postgres_url) as conn:
         ((path,),) = conn.execute(
             "SELECT checkpoint_path FROM policy_versions WHERE run_id = %s AND version = %s",
-            (run.id, _info(stack, run)["current_version"]),
+            (run.id, run_info(stack, run)["current_version"]),
         ).fetchall()
     ckpt = Path(path)
     adapter = (ckpt / "adapter_model.safetensors").stat().st_size
@@ -265,7 +131,7 @@ def test_the_merged_export_answers_like_the_served_adapter(stack, runs, tmp_path
     from transformers import AutoModelForCausalLM
 
     run = runs["favour"]
-    version = _info(stack, run)["current_version"]
+    version = run_info(stack, run)["current_version"]
     out = tmp_path / "merged"
     env = {"RLGATE_URL": stack.url, "RLGATE_ADMIN_KEY": stack.admin_key, "PATH": ""}
     done = subprocess.run(
@@ -323,7 +189,7 @@ def test_a_lora_run_rolls_back_to_a_trained_version_only(stack, runs) -> None:
     with stack.admin() as admin:
         r = admin.post(f"/admin/v1/runs/{run.id}/versions/0/rollback")
     assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
-    assert _info(stack, run)["current_version"] == 1  # nothing was written
+    assert run_info(stack, run)["current_version"] == 1  # nothing was written
 
 
 def test_the_example_trains_one_of_three_new_runs(stack, runs) -> None:
@@ -355,6 +221,6 @@ def test_pause_answers_429_to_one_run_and_stop_unloads_only_its_adapter(stack, r
         assert admin.post(f"/admin/v1/runs/{runs['short'].id}/resume").status_code == 200
         assert admin.post(f"/admin/v1/runs/{runs['two'].id}/stop").status_code == 200
     assert runs["short"].greedy() == before["short"]
-    assert _info(stack, runs["two"])["served_version"] is None  # its adapter is gone
+    assert run_info(stack, runs["two"])["served_version"] is None  # its adapter is gone
     assert runs["favour"].greedy() == before["favour"]
     assert runs["short"].greedy() == before["short"]
