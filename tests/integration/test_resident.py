@@ -169,10 +169,17 @@ def _versions(s: Session, run_id: str) -> list[int]:
     return sorted(v.version for v in s.query(PolicyVersion).filter_by(run_id=run_id))
 
 
+def _wait_released(trainer: Trainer, run_id: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while run_id in trainer.resident.slots:
+        assert time.monotonic() < deadline, "the reaper never released the group"
+        time.sleep(0.2)
+
+
 def test_pause_and_idle_release_the_ranks_and_a_new_group_resumes_adamw(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = _trainer(tmp_path, resident_idle_s=1.0)
+    trainer = _trainer(tmp_path)  # idle after 600 s: only the pause releases the first group
     _seed(trainer, tiny_model_dir, FSDP2, "r", 3)
     ckpts = trainer.settings.checkpoints_dir / "r"
     try:
@@ -180,23 +187,50 @@ def test_pause_and_idle_release_the_ranks_and_a_new_group_resumes_adamw(
         pids = trainer.resident.slots["r"].group.pids
         with trainer.sessions.begin() as s:
             s.get(Run, "r").status = "paused"
-        assert trainer.resident.reap() == ["r"]  # what the reaper thread does every 2 s
-        assert _gone(pids) and "r" not in trainer.resident.slots
+        _wait_released(trainer, "r")  # the reaper thread reads the run's status every 2 s
+        assert _gone(pids)
         # released at v1: AdamW's state saved for v1, although the run does not ask for it
         # after every step (save_optimizer_state is off)
         assert (ckpts / "optimizer-fsdp" / "v1" / "meta.json").is_file()
 
         with trainer.sessions.begin() as s:
             s.get(Run, "r").status = "active"
+        trainer.resident.idle_s = 1.0  # as RLGATE_RESIDENT_IDLE_S=1 would set it
         trainer.train_step("r", 1)
         assert _row(trainer, "r", 1).metrics["optimizer_resumed"] == 1
         pids = trainer.resident.slots["r"].group.pids
-        # idle past resident_idle_s: the reaper thread releases it by itself
-        deadline = time.monotonic() + 60
-        while "r" in trainer.resident.slots:
-            assert time.monotonic() < deadline, "the idle group was never released"
-            time.sleep(0.2)
+        _wait_released(trainer, "r")  # idle past resident_idle_s, the run still active
         assert _gone(pids)
         assert (ckpts / "optimizer-fsdp" / "v2" / "meta.json").is_file()
+    finally:
+        trainer.close()
+
+
+def test_a_lora_run_on_resident_ranks_writes_the_local_engines_adapters(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two steps of a LoRA run (KL to the adapter-off base) on one resident group."""
+    from trainer.lora import is_adapter_dir
+
+    lora = dict(lora_rank=4, kl_coef=0.05, learning_rate=1e-2)
+    trainer = _trainer(tmp_path)
+    _seed(trainer, tiny_model_dir, FSDP2.model_copy(update=lora), "fsdp-lora", 2)
+    _seed(trainer, tiny_model_dir, LOCAL.model_copy(update=lora), "local-lora", 2)
+    root = trainer.settings.checkpoints_dir
+    try:
+        for step in range(2):
+            trainer.train_step("fsdp-lora", step)
+            trainer.train_step("local-lora", step)
+            fsdp, local = _row(trainer, "fsdp-lora", step), _row(trainer, "local-lora", step)
+            assert fsdp.metrics["group_steps"] == step + 1
+            assert fsdp.metrics["kl_ref"] == pytest.approx(local.metrics["kl_ref"], abs=1e-5)
+            out = root / "fsdp-lora" / f"v{step + 1}"
+            assert is_adapter_dir(out) and not (out / "model.safetensors").exists()
+            mine = load_file(out / "adapter_model.safetensors")
+            theirs = load_file(root / "local-lora" / f"v{step + 1}" / "adapter_model.safetensors")
+            assert mine.keys() == theirs.keys() and mine
+            for key, value in mine.items():
+                assert torch.allclose(value, theirs[key], atol=1e-5), key
+        assert fsdp.metrics["kl_ref"] > 0  # the second step is away from the base
     finally:
         trainer.close()
