@@ -22,6 +22,7 @@ from pathlib import Path
 from trainer.config import ParallelConfig, RunConfig
 from trainer.engines import engine_class, torchrun_engine
 from trainer.launch import read_samples
+from trainer.resident_rank import die_with_launcher
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()  # torchrun starts each rank in a session of its own
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     conf = json.loads(args.config.read_text())

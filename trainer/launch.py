@@ -1,8 +1,13 @@
 """Run one FSDP train step as a `torchrun` subprocess and return rank 0's metrics.
 
-A Celery prefork child cannot fork multiprocessing children, so the worker
-starts `python -m torch.distributed.run` with fork+exec instead. The
-hand-off is through files in a scratch directory:
+This is the path without resident ranks (`RLGATE_RESIDENT_RANKS=false`; the
+resident group is `trainer.resident`, which shares `torchrun_command`,
+`rank_tails` and `kill_group` from here). A Celery prefork child cannot fork
+multiprocessing children, so the worker starts `python -m
+torch.distributed.run` with fork+exec instead. torchrun is tethered to this
+process (`rlgate.lifeline.TetheredProcess`) and each rank to torchrun, so a
+killed worker leaves no rank behind. The hand-off is through files in a
+scratch directory:
 
     samples.pt    plain lists (`write_samples`), read by every rank
     config.json   {"run": RunConfig dict, "parallel": ParallelConfig dict}
@@ -34,6 +39,7 @@ from typing import Any
 
 import torch
 
+from rlgate.lifeline import TetheredProcess
 from trainer.batch import Sample
 from trainer.lora import ADAPTER_CONFIG
 
@@ -150,7 +156,7 @@ def run_fsdp_step(
                 args.append(f"--{flag}={Path(path).resolve()}")
         cmd = torchrun_command(world_size, work / "logs", args)
         with open(work / "torchrun.log", "wb") as log:
-            proc = subprocess.Popen(
+            proc = TetheredProcess(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -159,7 +165,6 @@ def run_fsdp_step(
                     "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
                     "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
                 },
-                start_new_session=True,
             )
             try:
                 rc = proc.wait(timeout=timeout_s)
