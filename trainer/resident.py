@@ -96,33 +96,32 @@ class ResidentGroup:
     ) -> None:
         """Start the ranks and wait until every one has built the engine (`Ready`)."""
         self.node = node or NodeSpec()
+        local_ranks = self.node.local_ranks(world_size)  # a bad split fails before anything starts
         self.world_size = world_size
         self.work = Path(tempfile.mkdtemp(prefix="rlgate-resident-"))
         self.version = init.version
         self.steps = 0
         self.last_used = time.monotonic()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = str(self.work / "leader.sock")
-        listener.bind(path)
-        listener.listen(1)
-        self.proc = start_ranks(
-            self.node,
-            self.node.local_ranks(world_size),
-            self.work,
-            threads_per_rank,
-            {SOCKET_ENV: path},
-        )
         self.sock: socket.socket | None = None
-        try:
-            self.sock = self._accept(listener, start_timeout_s)
-            proto.send(self.sock, init)
-            ready = self._reply(start_timeout_s, "start")
-        except BaseException:
-            self.kill()
-            raise
-        finally:
-            listener.close()
-        assert isinstance(ready, proto.Ready)
+        path = str(self.work / "leader.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            try:
+                env = {SOCKET_ENV: path}
+                self.proc = start_ranks(self.node, local_ranks, self.work, threads_per_rank, env)
+            except BaseException:
+                shutil.rmtree(self.work, ignore_errors=True)
+                raise
+            try:
+                self.sock = self._accept(listener, start_timeout_s)
+                proto.send(self.sock, init)
+                ready = self._reply(start_timeout_s, "start")
+                if not isinstance(ready, proto.Ready):
+                    raise ResidentGroupError(f"start: expected ready, got {ready!r}")
+            except BaseException:
+                self.kill()
+                raise
         self.pids: list[int] = ready.pids
         self.optimizer_resumed = ready.optimizer_resumed
         logger.info(

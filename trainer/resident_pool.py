@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer import resident_protocol as proto
+from trainer.batch import Sample
 from trainer.resident import ResidentGroup
 from trainer.resident_node import NodeSpec
 
@@ -69,7 +70,7 @@ class ResidentPool:
         run_id: str,
         init: proto.Init,
         world_size: int,
-        samples: list,
+        samples: list[Sample],
         out_dir: Path,
         tokenizer_dir: Path,
         *,

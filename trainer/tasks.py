@@ -32,7 +32,7 @@ from gateway.store.models import PolicyVersion, Run, TrainStep
 from gateway.store.runs import advance_version_sync, lock_run_sync
 from gateway.store.status import StepStatus
 from rlgate.settings import Settings
-from trainer.batch import load_step_samples
+from trainer.batch import Sample, load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
 from trainer.engine_base import Engine
@@ -194,7 +194,7 @@ class Trainer:
         cfg: RunConfig,
         checkpoint: Path,
         step: int,
-        samples: list,
+        samples: list[Sample],
         out: Path,
         model_path: Path,
     ) -> dict[str, Any]:
