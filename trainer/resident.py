@@ -189,7 +189,7 @@ class ResidentGroup:
 
     def _call(self, msg: proto.Message, timeout_s: float, what: str) -> proto.Done:
         if not self.alive():
-            raise ResidentGroupError(f"{what}: the group has stopped\n{rank_tails(self.work)}")
+            raise self._failed(what, "the group has stopped")
         self.last_used = time.monotonic()
         try:
             proto.send(self.sock, msg)
@@ -198,7 +198,7 @@ class ResidentGroup:
         reply = self._reply(timeout_s, what)
         self.last_used = time.monotonic()
         if not isinstance(reply, proto.Done):
-            raise ResidentGroupError(f"{what}: unexpected reply {reply!r}")
+            raise self._failed(what, f"unexpected reply {reply!r}")
         return reply
 
     def _reply(self, timeout_s: float, what: str) -> proto.Message:
