@@ -202,3 +202,28 @@ def test_read_adapter_checks_shapes_against_the_base(
     cfg.hidden_size, cfg.head_dim = 128, 64  # another base model of the same architecture
     with pytest.raises(AdapterError, match="shapes"):
         read_adapter(adapters["a"], LlamaForCausalLM(cfg), 1)
+
+
+def test_read_safetensors_reads_what_safetensors_wrote(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from inference.lora import read_safetensors
+
+    tensors = {
+        "a.lora_A.weight": torch.randn(8, 64),
+        "a.lora_B.weight": torch.randn(64, 8),
+        "half": torch.randn(3, 5).to(torch.float16),
+        "brain": torch.randn(7).to(torch.bfloat16),
+        "empty": torch.empty(0, 4),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    ours, theirs = read_safetensors(path), load_file(path)
+    assert ours.keys() == theirs.keys()
+    for name, expected in theirs.items():
+        assert ours[name].dtype == expected.dtype and torch.equal(ours[name], expected), name
+    path.write_bytes(b"")  # ours are a copy: the file may go away (load_file's map may not)
+    assert torch.equal(ours["a.lora_B.weight"], tensors["a.lora_B.weight"])
+    save_file({"ints": torch.arange(4)}, path)
+    with pytest.raises(AdapterError, match="not a float tensor"):
+        read_safetensors(path)
