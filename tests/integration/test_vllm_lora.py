@@ -21,7 +21,13 @@ non-zero B, so each changes the model's outputs. Checks:
 - reloading from the directory already served (vLLM keys its prefix cache
   by adapter name and path, so it would reuse the old weights' KV) also
   serves the new weights: the backend pauses the server with its cache cleared;
-- unloading A makes its requests fail while B and the base model still serve.
+- unloading A makes its requests fail while B and the base model still serve;
+- through a real gateway (Celery worker, PostgreSQL) two LoRA runs registered
+  on this server train apart: after each run's steps only its adapter moves
+  (the other's greedy answer is unchanged token for token), the trained run's
+  greedy answer leaves the base model's, each version's checkpoint is an
+  adapter, and a sampled answer's stored logprobs are float32 peft's of
+  base + that run's adapter.
 """
 
 from __future__ import annotations
@@ -204,4 +210,103 @@ async def test_adapters_serve_their_own_weights_reload_in_place_and_unload(
     assert "run-a" not in served and "run-b" in served
     rb3, base3 = await asyncio.gather(be.generate(req("run-b", 10)), be.generate(req(None, 11)))
     assert gap(ref, b1, prompt, rb3) < TOL and gap(ref, None, prompt, base3) < TOL
+    await be.unload_adapter("run-b")  # the server is the next test's, with no adapter of ours
     await be.close()
+
+
+# --- two LoRA runs through the gateway, sharing the server -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    vllm_url: str,
+    redis_url: str,
+    module_postgres_url: str,
+    smollm2_cache: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator:
+    from rlgate.settings import Settings
+    from tests.integration.conftest import running_stack
+
+    tmp = tmp_path_factory.mktemp("vllm-lora-runs")
+    settings = Settings(
+        data_dir=tmp / "data",
+        database_url=module_postgres_url,
+        broker_url=redis_url,
+        queue_name=f"train-{tmp.name}",
+        admin_key="vllm-lora-admin-key",
+        dev_mode=False,
+        model_cache_dir=smollm2_cache,
+        sync_interval_s=0.2,
+    )
+    with running_stack(settings, tmp) as stack:
+        yield stack
+
+
+def test_two_lora_runs_on_one_vllm_server_train_apart(
+    gateway, vllm_url: str, module_postgres_url: str, base_dir: Path
+) -> None:
+    """Two LoRA runs registered on the one vLLM server: each trains on its own rewards and
+    only its adapter moves; stored logprobs are float32 peft's of base + the run's adapter."""
+    import psycopg
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.lora_agents import CONFIG, MAX_STEPS, REWARDS, LoraRun, train_one_step
+
+    runs: dict[str, LoraRun] = {}
+    with gateway.admin() as admin:
+        for name in ("favour", "short"):
+            body = {
+                "name": name,
+                "model": "smollm2",
+                "backend": "vllm",
+                "replicas": [vllm_url],
+                "config": CONFIG,
+            }
+            r = admin.post("/admin/v1/runs", json=body)
+            assert r.status_code == 201, r.text
+            created = r.json()
+            runs[name] = LoraRun(
+                created, created["base_url"].removesuffix("/v1"), module_postgres_url
+            )
+    favour, short = runs["favour"], runs["short"]
+    base = favour.greedy()
+    assert short.greedy() == base and base[1] == 0  # both serve the base model at v0
+
+    for _ in range(MAX_STEPS):  # favour trains until its greedy answer leaves the base's
+        version = train_one_step(gateway, favour, REWARDS["favour"])
+        assert short.greedy() == base, "short moved when favour trained"
+        if favour.greedy()[0] != base[0]:
+            break
+    trained = favour.greedy()
+    assert trained[0] != base[0] and trained[1] == version, f"no change in {version} steps"
+    assert train_one_step(gateway, short, REWARDS["short"]) == 1
+    assert favour.greedy() == trained, "favour moved when short trained"
+
+    def checkpoint(run: LoraRun, version: int) -> Path:
+        with psycopg.connect(module_postgres_url) as conn:
+            ((path,),) = conn.execute(
+                "SELECT checkpoint_path FROM policy_versions WHERE run_id = %s AND version = %s",
+                (run.id, version),
+            ).fetchall()
+        return Path(path)
+
+    for run, at in ((favour, version), (short, 1)):
+        ckpt = checkpoint(run, at)
+        assert (ckpt / "adapter_config.json").is_file()
+        size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        print(f"{run.info['name']}: v{at} checkpoint {size / 1e6:.1f} MB")
+        sampled = run.ask(1.0, 8, f"/groups/check/episodes/check-{run.info['name']}")
+        assert sampled["version"] == at
+        # one request alone: no base-model rows share its batch (see the module docstring)
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, ckpt).eval()
+        ids = sampled["prompt"] + sampled["output"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+        start = len(sampled["prompt"]) - 1
+        lps = sampling_logprobs(logits[start : start + len(sampled["output"])], 1.0)
+        expected = [float(lps[i, t]) for i, t in enumerate(sampled["output"])]
+        worst = max(abs(a - b) for a, b in zip(sampled["logprobs"], expected, strict=True))
+        assert worst < TOL, (run.info["name"], worst)
