@@ -15,6 +15,7 @@
  */
 (function () {
   "use strict";
+  const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
   const PALETTE = ["#2f6fed", "#e8590c", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad", "#5c940d", "#862e9c"];
   const SYNC = uPlot.sync("rlgate");
   const registry = (window.rlCharts = window.rlCharts || {});
@@ -119,7 +120,11 @@
       scales: { x: xAxis(mode), y: yScale(spec.log, raw.slice(1)) },
       legend: { live: true },
       axes: [
-        mode === "elapsed" ? { values: (u, ticks) => ticks.map(fmtElapsed), size: 32 } : { size: 32 },
+        mode === "elapsed"
+          ? { values: (u, ticks) => ticks.map(fmtElapsed), size: 32 }
+          : mode === "step"
+            ? { size: 32, incrs: STEP_INCRS }  // whole steps only: no tick at step 0.2
+            : { size: 32 },
         { size: 62, values: yTicks },
       ],
       series: [
