@@ -8,7 +8,7 @@ metrics are `Engine.step`, the same as the local engine's):
   the embedding, final norm and head), activation-checkpointed if asked,
   and `fully_shard`ed per decoder layer and at the root
   (`trainer.parallel`). The frozen reference (`kl_coef > 0`) is sharded the
-  same way but never trained.
+  same way but never trained. One float32 rank runs unsharded (`shards`).
 - **Micro-batches.** Packed rows up to `pack_tokens` tokens
   (`trainer.packing`) or padded groups of `micro_batch_size`.
 - **Reduction.** Every micro-batch loss is divided by the GLOBAL trained
@@ -64,6 +64,8 @@ class FsdpEngine(DistributedEngine):
             model.requires_grad_(train)
         if train and self.parallel.activation_checkpointing:
             apply_activation_checkpointing(model)
+        if not self.shards:
+            return model
         apply_fsdp(
             model,
             self.dist.mesh,
@@ -73,6 +75,15 @@ class FsdpEngine(DistributedEngine):
             gradient_divide_factor=1.0,  # the loss already divides by the global token count
         )
         return model
+
+    @property
+    def shards(self) -> bool:
+        """Whether to `fully_shard` at all. One float32 rank has nothing to shard, and FSDP's
+        all-gathers and reduce-scatters there are copies of the whole model each pass, so
+        the model runs as loaded (as torchtitan applies FSDP only when dp_shard > 1).
+        Mixed precision needs FSDP's policy, so a bfloat16 rank is still wrapped."""
+        float32 = (self.parallel.param_dtype, self.parallel.reduce_dtype) == ("float32",) * 2
+        return self.world_size > 1 or not float32
 
     def micro_batches(self, mine: list[Sample]) -> list[list[Sample]]:
         if self.parallel.packing:
