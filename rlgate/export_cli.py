@@ -63,14 +63,10 @@ def export(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")  # same directory: rename is atomic
     headers = {"Authorization": f"Bearer {admin_key}"}
     try:
-        with httpx.stream("GET", endpoint, params=params, headers=headers, timeout=TIMEOUT) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                print(f"export failed: {_describe(resp)}", file=sys.stderr)
-                return 1
-            with tmp.open("wb") as f:
-                for chunk in resp.iter_bytes():
-                    f.write(chunk)
+        refused = _download(endpoint, params, headers, tmp)
+        if refused:
+            print(f"export failed: {refused}", file=sys.stderr)
+            return 1
         os.replace(tmp, out)
     except httpx.HTTPError as exc:
         print(f"export failed: cannot read from the gateway at {url}: {exc}", file=sys.stderr)
@@ -83,6 +79,18 @@ def export(
             tmp.unlink()
     print(f"wrote {_count_episodes(out, fmt)} episodes to {out}")
     return 0
+
+
+def _download(endpoint: str, params: dict, headers: dict[str, str], dest: Path) -> str | None:
+    """Stream a GET of `endpoint` into `dest`; the gateway's refusal, described, if it refuses."""
+    with httpx.stream("GET", endpoint, params=params, headers=headers, timeout=TIMEOUT) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            return _describe(resp)
+        with dest.open("wb") as f:
+            for chunk in resp.iter_bytes():
+                f.write(chunk)
+    return None
 
 
 def export_model(
@@ -103,14 +111,10 @@ def export_model(
         endpoint = f"{base}/versions/{version}/checkpoint"
         tar_path = scratch / "model.tar"
         params = {"merged": "true"}
-        with httpx.stream("GET", endpoint, params=params, headers=headers, timeout=TIMEOUT) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                print(f"export failed: {_describe(resp)}", file=sys.stderr)
-                return 1
-            with tar_path.open("wb") as f:
-                for chunk in resp.iter_bytes():
-                    f.write(chunk)
+        refused = _download(endpoint, params, headers, tar_path)
+        if refused:
+            print(f"export failed: {refused}", file=sys.stderr)
+            return 1
         with tarfile.open(tar_path) as tar:
             tar.extractall(scratch / "x", filter="data")
         (top,) = (scratch / "x").iterdir()  # one folder, "<run>-v<version>"
