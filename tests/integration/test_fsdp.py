@@ -360,3 +360,36 @@ def test_two_rank_nccl_step_matches_local_engine(tiny_model_dir: Path, tmp_path:
     )
     # TF32 and other GPU kernels: a looser bound than the gloo test
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-4)
+
+
+def test_one_float32_rank_runs_unsharded_and_writes_the_local_lora_adapter(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """In-process, one rank: nothing is sharded (`FsdpEngine.shards`), and a LoRA step with
+    the KL term writes the local engine's adapter."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.fsdp_engine import FsdpEngine
+
+    cfg = CFG.model_copy(update={"lora_rank": 4, "kl_coef": 0.05, "learning_rate": 1e-2})
+    samples = _samples(6, 300, seed=6)
+    local = LocalEngine(tiny_model_dir, 0, cfg, reference_dir=tiny_model_dir)
+    local.step(samples)
+    local.save(tmp_path / "local", tiny_model_dir)
+    engine = FsdpEngine(tiny_model_dir, 0, cfg, reference_dir=tiny_model_dir)
+    try:
+        assert not engine.shards
+        assert not any(isinstance(p, DTensor) for p in engine.policy.parameters())
+        engine.step(samples)
+        engine.save(tmp_path / "fsdp", tiny_model_dir)
+    finally:
+        engine.close()
+    from safetensors.torch import load_file
+
+    mine = load_file(tmp_path / "fsdp" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    assert mine.keys() == theirs.keys() and mine
+    for key, value in mine.items():
+        assert torch.allclose(value, theirs[key], atol=1e-5), key
+    # LoRA's B starts at zero: a non-zero B means the step trained the adapter
+    assert any(v.abs().max() > 0 for k, v in mine.items() if "lora_B" in k)
