@@ -90,6 +90,16 @@ def torchrun_command(
     ]
 
 
+def rank_env(threads_per_rank: int, **extra: str) -> dict[str, str]:
+    """A rank's environment: this one, local checkpoints only, its torch thread budget."""
+    return {
+        **os.environ,
+        **extra,
+        "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
+        "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
+    }
+
+
 def rank_tails(work: Path) -> str:
     """The tail of torchrun's own log and of every rank's stderr under `work`."""
     parts = []
@@ -160,11 +170,7 @@ def run_fsdp_step(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={
-                    **os.environ,
-                    "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
-                    "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
-                },
+                env=rank_env(threads_per_rank),
             )
             try:
                 rc = proc.wait(timeout=timeout_s)

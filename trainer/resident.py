@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import select
 import shutil
 import socket
@@ -41,7 +40,7 @@ from typing import Any
 from rlgate.lifeline import TetheredProcess
 from trainer import resident_protocol as proto
 from trainer.batch import Sample
-from trainer.launch import kill_group, rank_tails, torchrun_command, write_samples
+from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples
 from trainer.resident_node import NodeSpec
 from trainer.resident_rank import SOCKET_ENV
 
@@ -71,12 +70,7 @@ def start_ranks(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={
-                **os.environ,
-                **env,
-                "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
-                "OMP_NUM_THREADS": str(max(1, threads_per_rank)),
-            },
+            env=rank_env(threads_per_rank, **env),
         )
     finally:
         log.close()
