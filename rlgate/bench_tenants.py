@@ -87,7 +87,7 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
     import httpx
 
     from rlgate.settings import Settings
-    from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
+    from rlgate.stack import stack_processes
 
     settings = Settings(
         data_dir=work / "data",
@@ -98,12 +98,7 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     config = {"lora_rank": args.rank, "group_size": 2, "groups_per_step": 1, "micro_batch_size": 2}
-    port = free_port()
-    worker = start_worker(settings, work / "worker.log")
-    gateway = start_gateway(settings, "127.0.0.1", port, work / "gateway.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, gateway, timeout_s=300)
+    with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as (url, gateway):
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
         with httpx.Client(base_url=url, headers=headers, timeout=600) as admin:
             runs = []
@@ -118,9 +113,6 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
             for i, run in enumerate(runs):
                 _ask(run, f"/episodes/again-{i}")
             many = rss_bytes(gateway.pid)
-    finally:
-        stop(gateway)
-        stop(worker)
     print(f"{args.runs} LoRA runs served, one trained: gateway RSS {many / 1e6:.0f} MB")
     return {"rss_1_run": one, f"rss_{args.runs}_runs": many, "rss_growth": many - one}
 

@@ -75,10 +75,12 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
 
 
 @contextlib.contextmanager
-def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iterator[str]:
-    """Gateway and worker as child processes; yields the gateway URL once healthy.
+def stack_processes(
+    settings: Settings, host: str, port: int, logs: Path, timeout_s: float = 120.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Gateway and worker as child processes; yields the gateway URL and process once healthy.
 
-    Port 0 picks a free port.
+    Port 0 picks a free port. Both stop on exit.
     """
     logs.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
@@ -86,8 +88,15 @@ def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iter
     gateway = start_gateway(settings, host, port, logs / "gateway.log")
     url = f"http://{host}:{port}"
     try:
-        wait_healthy(url, gateway)
-        yield url
+        wait_healthy(url, gateway, timeout_s=timeout_s)
+        yield url, gateway
     finally:
         stop(gateway)
         stop(worker)
+
+
+@contextlib.contextmanager
+def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iterator[str]:
+    """Gateway and worker as child processes; yields the gateway URL once healthy."""
+    with stack_processes(settings, host, port, logs) as (url, _):
+        yield url

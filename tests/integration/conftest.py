@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from rlgate.settings import Settings
-from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
+from rlgate.stack import stack_processes
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -70,16 +70,8 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(settings: Settings, logs: Path) -> Iterator[Stack]:
-    port = free_port()
-    worker = start_worker(settings, logs / "worker.log")
-    gateway = start_gateway(settings, "127.0.0.1", port, logs / "gateway.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, gateway, timeout_s=120)
+    with stack_processes(settings, "127.0.0.1", 0, logs) as (url, _):
         yield Stack(url, settings.admin_key, settings)
-    finally:
-        stop(gateway)
-        stop(worker)
 
 
 @pytest.fixture(scope="session")
