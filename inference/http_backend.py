@@ -32,6 +32,7 @@ from inference.http_common import (
     transport_errors,
 )
 from inference.types import FinishReason, GenerateRequest, GenerateResult
+from inference.weight_sync import CollectiveSource, saved
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,11 @@ class HttpBackend(abc.ABC):
     async def _reload(self, checkpoint_dir: Path, version: int) -> None:
         """Load `checkpoint_dir` into the paused server, in place."""
 
+    async def _receive(self, source: CollectiveSource, version: int) -> None:
+        """Receive `version` from the trainer over a collective into the paused server, all or
+        nothing (`weight_sync: collective`, docs/weight-sync.md)."""
+        raise BackendError(f"{self.name} backend cannot receive weights over a collective")
+
     @abc.abstractmethod
     async def _resume(self) -> None:
         """Let the server generate again (also after a failed reload)."""
@@ -218,22 +224,40 @@ class HttpBackend(abc.ABC):
             raise BackendError("empty prompt")
         return HttpStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
-        """Swap in place, in the order of the class docstring."""
-        checkpoint_dir = await self._check_checkpoint(Path(checkpoint_dir), version)
+    async def load_weights(self, checkpoint_dir: Path | CollectiveSource, version: int) -> None:
+        """Swap in place, in the order of the class docstring; step 3 receives the weights
+        from the trainer instead of reloading them when given a `CollectiveSource`."""
+        source = checkpoint_dir
+        if not isinstance(source, CollectiveSource):
+            source = await self._check_checkpoint(Path(source), version)
         async with self._swap_lock:
             self._base.gate.clear()
             try:
                 await self._drain(self._base, f"load v{version}")
                 await self._pause()
                 try:
-                    await self._reload(checkpoint_dir, version)
+                    await self._load(source, version)
                     self._base.version = version
                 finally:
                     await self._resume()
             finally:
                 self._base.gate.set()
-        logger.info("%s at %s serves version %d (%s)", self.name, self.url, version, checkpoint_dir)
+        logger.info("%s at %s serves version %d (%s)", self.name, self.url, version, source)
+
+    async def _load(self, source: Path | CollectiveSource, version: int) -> None:
+        """The paused server's load; a failed receive falls back to the checkpoint if saved."""
+        if not isinstance(source, CollectiveSource):
+            await self._reload(source, version)
+            return
+        try:
+            await self._receive(source, version)
+        except BackendError as exc:
+            if not await asyncio.to_thread(saved, source.checkpoint_dir):
+                raise
+            logger.warning("%s: v%d over the collective failed (%s); from disk", self, version, exc)
+            await self._reload(
+                await self._check_checkpoint(source.checkpoint_dir, version), version
+            )
 
     async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
         """Load or replace adapter `name`, in the order of the class docstring."""

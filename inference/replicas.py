@@ -146,7 +146,7 @@ class ReplicaSet:
             self._add(Replica(name, backend, url))
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._picks = 0
-        self._target: tuple[Path, int] | None = None  # newest weights loaded into the set
+        self._target: tuple[Any, int] | None = None  # newest weights loaded into the set
         self._adapter_targets: dict[str, tuple[Path, int]] = {}  # adapters loaded into the set
         self._adapter_locks: dict[str, asyncio.Lock] = {}
         self._swap_lock: asyncio.Lock | None = None
@@ -199,7 +199,7 @@ class ReplicaSet:
         if self._swap_lock is None:
             self._swap_lock = asyncio.Lock()
         async with self._swap_lock:
-            self._target = (Path(checkpoint_dir), version)
+            self._target = (checkpoint_dir, version)  # a Path or a CollectiveSource
             failed: list[str] = []
             for replica in list(self._replicas):
                 if not replica.healthy or replica.backend.version >= version:

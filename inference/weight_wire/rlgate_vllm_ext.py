@@ -1,0 +1,59 @@
+"""vLLM worker extension: receive a version's full weights from the trainer over gloo.
+
+Started with `--worker-extension-cls rlgate_vllm_ext.WeightReceiver` (this
+directory on the server's PYTHONPATH: `inference.vllm_http.server_env`),
+vLLM mixes `WeightReceiver` into each of its workers; the gateway calls its
+methods through vLLM's `/collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), which
+runs them on every worker and answers with their results.
+
+This is the CPU path: vLLM's own weight-transfer engines (`nccl`, `ipc`,
+`/init_weight_transfer_engine` ...) need CUDA. The ordering is the caller's
+(`inference.http_backend.HttpBackend`): the server is paused and drained
+before `rlgate_receive_weights`, and resumed after it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+try:  # the server's interpreter: this directory is on its PYTHONPATH
+    from rlgate_weight_wire import Rendezvous, receive_weights
+except ImportError:  # rlgate's own interpreter (tests, linters)
+    from inference.weight_wire.rlgate_weight_wire import Rendezvous, receive_weights
+
+logger = logging.getLogger(__name__)
+
+
+class WeightReceiver:
+    """Methods mixed into a vLLM worker (`self` is the worker: `rank`, `reload_weights`)."""
+
+    def rlgate_worker_rank(self) -> int:
+        """This worker's rank in the server (one result per worker: their count)."""
+        return int(self.rank)
+
+    def rlgate_receive_weights(self, rendezvous: str, timeout_s: str = "600") -> dict:
+        """Join the transfer as rank 1 + this worker's rank, then reload the model in place.
+
+        Arguments are strings (vLLM's `/collective_rpc` passes serialised values only).
+        Nothing is loaded unless every byte arrived (`receive_weights`).
+        """
+        rdv = Rendezvous.from_json(json.loads(rendezvous))
+        t0 = time.perf_counter()
+        weights = list(receive_weights(rdv, 1 + int(self.rank), float(timeout_s)))
+        t1 = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(weights))  # vLLM's in-place reload
+        t2 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        logger.info(
+            "v%d: %d tensors (%d bytes) received in %.2fs, loaded in %.2fs",
+            rdv.version, len(weights), nbytes, t1 - t0, t2 - t1,
+        )  # fmt: skip
+        return {
+            "version": rdv.version,
+            "tensors": len(weights),
+            "bytes": nbytes,
+            "receive_s": t1 - t0,
+            "load_s": t2 - t1,
+        }

@@ -1,0 +1,166 @@
+"""Full weights from one sender to its receivers over a gloo group of their own.
+
+The wire format of `weight_sync: collective` (docs/weight-sync.md). Both
+sides of a transfer import this module: the trainer (the sender, rank 0) and
+each inference server's worker (rank 1, 2, ...), which runs another
+interpreter with its own torch, so it needs only the standard library and
+torch and is put on the server's PYTHONPATH as `rlgate_weight_wire`.
+
+A transfer:
+
+1. The sender opens a `TCPStore` (it is the master, on a free port) and
+   describes it as a `Rendezvous`: host, port, a fresh transfer id, the
+   world size (1 + receivers) and the version being sent.
+2. It writes the plan under the transfer's prefix: every tensor's name,
+   dtype, shape and byte range in one of a few flat uint8 buckets of at most
+   `BUCKET_BYTES`. Bytes, not typed tensors, travel, so any dtype works and
+   the receivers need no other metadata.
+3. Every member builds a `ProcessGroupGloo` on that store (no
+   `init_process_group`: a vLLM worker already has a default group of its
+   own, and so does a torchrun rank) and the sender broadcasts the buckets
+   one after another.
+4. A receiver keeps every bucket until the last one has arrived, then hands
+   out the tensors (views into the buckets). A transfer that fails half way
+   therefore leaves the server's weights untouched: it never serves half of
+   a version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 << 20  # one broadcast; bounds the sender's staging copy
+ALIGN = 64  # byte offset of each tensor in its bucket (any dtype's view is aligned)
+PLAN_KEY = "plan"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a transfer's members meet, and what it carries."""
+
+    host: str
+    port: int
+    transfer_id: str
+    world_size: int  # the sender (rank 0) and its receivers
+    version: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping) -> Rendezvous:
+        return cls(
+            host=str(raw["host"]),
+            port=int(raw["port"]),
+            transfer_id=str(raw["transfer_id"]),
+            world_size=int(raw["world_size"]),
+            version=int(raw["version"]),
+        )
+
+
+def local_address(peer: str) -> str:
+    """This host's address on the route to `peer` (what gloo binds, so the peer can reach it)."""
+    if peer in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
+        s.connect((peer, 9))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+def open_store(host: str, receivers: int, version: int, timeout_s: float) -> tuple:
+    """The sender's store on a free port of `host`, and the `Rendezvous` describing it."""
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+    rdv = Rendezvous(host, store.port, uuid.uuid4().hex, 1 + receivers, version)
+    return store, rdv
+
+
+def _group(store: dist.Store, rdv: Rendezvous, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    bind = rdv.host if rank == 0 else local_address(rdv.host)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+    prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
+    return dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, opts)
+
+
+def _broadcast(group: dist.ProcessGroup, buf: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([buf], opts).wait()
+
+
+def plan(state: Mapping[str, torch.Tensor]) -> list[dict]:
+    """Buckets of (name, dtype, shape, offset, nbytes), in the order of `state`."""
+    buckets: list[dict] = []
+    cur: dict | None = None
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        start = 0 if cur is None else -(-cur["nbytes"] // ALIGN) * ALIGN
+        if cur is None or (cur["tensors"] and start + nbytes > BUCKET_BYTES):
+            cur = {"nbytes": 0, "tensors": []}
+            buckets.append(cur)
+            start = 0
+        dtype = str(t.dtype).removeprefix("torch.")
+        cur["tensors"].append([name, dtype, list(t.shape), start, nbytes])
+        cur["nbytes"] = start + nbytes
+    return buckets
+
+
+def send_weights(
+    store: dist.Store, rdv: Rendezvous, state: Mapping[str, torch.Tensor], timeout_s: float
+) -> int:
+    """Rank 0's side: publish the plan, wait for every receiver, broadcast. Returns bytes sent.
+
+    `state` must not change meanwhile (the trainer sends a snapshot).
+    """
+    buckets = plan(state)
+    prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
+    prefixed.set(PLAN_KEY, json.dumps({"version": rdv.version, "buckets": buckets}))
+    group = _group(store, rdv, 0, timeout_s)
+    sent = 0
+    for bucket in buckets:
+        buf = torch.empty(bucket["nbytes"], dtype=torch.uint8)
+        for name, _, _, offset, nbytes in bucket["tensors"]:
+            src = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[offset : offset + nbytes].copy_(src)
+        _broadcast(group, buf)
+        sent += buf.numel()
+    return sent
+
+
+def receive_weights(
+    rdv: Rendezvous, rank: int, timeout_s: float
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's side: every tensor of the transfer, yielded only once all have arrived."""
+    store = dist.TCPStore(rdv.host, rdv.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
+    meta = json.loads(prefixed.get(PLAN_KEY))
+    if int(meta["version"]) != rdv.version:
+        raise RuntimeError(
+            f"transfer {rdv.transfer_id} carries v{meta['version']}, not v{rdv.version}"
+        )
+    group = _group(store, rdv, rank, timeout_s)
+    bufs = []
+    for bucket in meta["buckets"]:
+        buf = torch.empty(bucket["nbytes"], dtype=torch.uint8)
+        _broadcast(group, buf)
+        bufs.append(buf)
+    return _unpack(meta["buckets"], bufs)
+
+
+def _unpack(buckets: list[dict], bufs: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket, buf in zip(buckets, bufs, strict=True):
+        for name, dtype, shape, offset, nbytes in bucket["tensors"]:
+            raw = buf[offset : offset + nbytes]
+            yield name, raw.view(getattr(torch, dtype)).reshape(shape)
