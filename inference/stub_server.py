@@ -9,7 +9,9 @@ and implements only the subset rlgate uses, with no model behind it:
   ``POST /pause``, ``POST /resume``, ``POST /collective_rpc`` with method
   ``reload_weights``, ``POST /update_weight_version``, and (unless
   ``--no-lora``) ``POST /v1/load_lora_adapter`` (``lora_name``,
-  ``lora_path``, ``load_inplace``), ``POST /v1/unload_lora_adapter``.
+  ``lora_path``, ``load_inplace``), ``POST /v1/unload_lora_adapter``;
+  ``POST /v1/chat/completions`` answers text without a tokenizer (for
+  proxies measured against the same backend, not for rlgate).
 * ``--flavor sglang``: ``POST /generate`` (``input_ids``, ``sampling_params``,
   ``return_logprob``, ``stream``, ``lora_path`` naming a loaded adapter),
   ``GET /health``, ``GET /get_model_info``, ``POST /pause_generation``,
@@ -283,6 +285,52 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
             toks.append((tok, lp))
             finish = fin or finish
         return envelope(choice(toks, finish, True), usage(len(toks)))
+
+    add_vllm_chat_route(app, state)
+
+
+def add_vllm_chat_route(app: FastAPI, state: StubState) -> None:
+    """`POST /v1/chat/completions`, token-agnostic: for proxies that forward chat as chat.
+
+    No template and no tokenizer: the answer is `output_tokens` pseudo-tokens of
+    text after the same latencies, so a proxy's chat route can be measured
+    against the same backend. rlgate itself templates and sends token ids.
+    """
+    cfg = state.cfg
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        if (full := state.overloaded()) is not None:
+            return full
+        body = await request.json()
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages):
+            return error("stub: messages must be a non-empty list", 400)
+        # a stand-in prompt: one "token" per message, its content's length
+        prompt = [len(str(m.get("content") or "")) for m in messages]
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        head = {"id": cid, "created": created, "model": cfg.model}
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[str]:
+                async for tok, _, finish in state.sample(prompt, max_tokens, set()):
+                    delta = {"role": "assistant", "content": text_of(tok)}
+                    c = {"index": 0, "delta": delta, "finish_reason": finish}
+                    yield sse({**head, "object": "chat.completion.chunk", "choices": [c]})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        toks = [tok async for tok, _, _ in state.sample(prompt, max_tokens, set())]
+        message = {"role": "assistant", "content": "".join(text_of(t) for t in toks)}
+        n = len(toks)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
+        return {
+            **head,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+            "usage": {**usage, "total_tokens": len(prompt) + n},
+        }
 
 
 def add_vllm_lora_routes(app: FastAPI, state: StubState) -> None:

@@ -1,43 +1,57 @@
-"""Parsing `wrk --latency` output into the bench's figures (the text is wrk 4.2's format)."""
+"""The wrk script's figures: 2xx answers only are throughput; 429s and 5xx beside them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from rlgate.bench_wrk import parse
+from rlgate.bench_wrk import MARK, parse, script
 
-OUT = """Running 6s test @ http://127.0.0.1:41000/v1/completions
-  1 threads and 32 connections
-  Thread Stats   Avg      Stdev     Max   +/- Stdev
-    Latency   185.48ms  120.10ms   1.21s    78.30%
-    Req/Sec   176.12     30.31   240.00     70.00%
-  Latency Distribution
-     50%  161.48ms
-     75%  230.11ms
-     90%  341.02ms
-     99%    1.01s
-  1046 requests in 6.04s, 1.43MB read
-  Socket errors: connect 0, read 0, write 0, timeout 3
-  Non-2xx or 3xx responses: 5
-Requests/sec:    173.10
-Transfer/sec:    242.38KB
-"""
+LINE = {
+    "duration_us": 5_000_000,
+    "answers": 1046,
+    "statuses": {"200": 900, "429": 120, "503": 20, "404": 6},
+    "socket_errors": 3,
+    "p50_us": 161_480,
+    "p90_us": 341_020,
+    "p99_us": 1_010_000,
+}
 
 
-def test_parse_reads_counts_rate_and_percentiles() -> None:
-    m = parse(OUT)
-    assert m["requests"] == 1041  # 1046 answered, 5 of them not 2xx
-    assert m["errors"] == 8  # 5 non-2xx + 3 timeouts
-    assert m["rps"] == pytest.approx(173.10)
-    assert m["p50_ms"] == pytest.approx(161.48)
-    assert m["p90_ms"] == pytest.approx(341.02)
-    assert m["p99_ms"] == pytest.approx(1010.0)
+def wrk_output(line: dict) -> str:
+    """What wrk prints with the script: its own summary, then the script's line."""
+    return (
+        "Running 5s test @ http://127.0.0.1:41000\n"
+        "  1 threads and 32 connections\n"
+        "  1046 requests in 5.00s, 1.43MB read\n"
+        "Requests/sec:    209.20\n"
+        f"{MARK}{json.dumps(line)}\n"
+    )
 
 
-def test_parse_microseconds_and_no_errors() -> None:
-    out = OUT.replace("     50%  161.48ms", "     50%  812.00us")
-    out = out.replace("  Socket errors: connect 0, read 0, write 0, timeout 3\n", "")
-    out = out.replace("  Non-2xx or 3xx responses: 5\n", "")
-    m = parse(out)
-    assert m["p50_ms"] == pytest.approx(0.812)
-    assert m["errors"] == 0 and m["requests"] == 1046
+def test_parse_counts_only_2xx_as_throughput() -> None:
+    m = parse(wrk_output(LINE))
+    assert m["requests"] == 900
+    assert m["rps"] == pytest.approx(180.0)  # 900 in 5 s, not wrk's 209 for every answer
+    assert m["status_429"] == 120 and m["status_5xx"] == 20
+    assert m["errors"] == 146 + 3  # every non-2xx answer and the socket errors
+    assert m["statuses"] == {"200": 900, "404": 6, "429": 120, "503": 20}
+    assert (m["p50_ms"], m["p90_ms"], m["p99_ms"]) == (161.48, 341.02, 1010.0)
+
+
+def test_parse_no_answers() -> None:
+    line = LINE | {"answers": 0, "statuses": {}, "socket_errors": 0}
+    m = parse(wrk_output(line))
+    assert m["rps"] == 0.0 and m["requests"] == 0 and m["errors"] == 0
+
+
+def test_script_numbers_the_path_only_when_asked() -> None:
+    numbered = script("/episodes/{n}/v1/chat/completions", {"a": 1}, {"Authorization": "Bearer k"})
+    assert "local numbered = true" in numbered
+    assert "[==[/episodes/]==], [==[/v1/chat/completions]==]" in numbered
+    assert '["Authorization"] = "Bearer k"' in numbered
+    assert '["Content-Type"] = "application/json"' in numbered
+    fixed = script("/v1/completions", {"a": 1}, {})
+    assert "local numbered = false" in fixed
+    assert '[==[{"a": 1}]==]' in fixed

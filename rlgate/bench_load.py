@@ -1,0 +1,141 @@
+"""Closed-loop HTTP load for `rlgate bench gateway`: asyncio + httpx, or `wrk` when present.
+
+Both loaders give one result shape per load: ``requests`` (2xx answers; only
+those are throughput), ``rps`` (2xx per second), ``status_429``,
+``status_5xx``, ``errors`` (every answer that is not 2xx, and transport
+errors) and the p50/p90/p99 latencies. A path may hold ``{n}``: each request
+gets its own value there (a fresh episode per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+Target = tuple[str, str, dict, dict]  # base URL, path, body, headers
+
+
+async def _one(client: Any, url: str, body: dict, headers: dict) -> tuple[int, float]:
+    """(HTTP status, seconds); a 2xx must carry choices or end its stream with [DONE]."""
+    t0 = time.perf_counter()
+    if not body.get("stream"):
+        resp = await client.post(url, json=body, headers=headers)
+        if resp.is_success and not resp.json().get("choices"):
+            raise RuntimeError(f"no choices from {url}")
+    else:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            done = False
+            async for line in resp.aiter_lines():
+                done = done or line.strip() == "data: [DONE]"
+            if resp.is_success and not done:
+                raise RuntimeError(f"stream from {url} ended without [DONE]")
+    return resp.status_code, time.perf_counter() - t0
+
+
+async def _load(target: Target, concurrency: int, seconds: float) -> dict[str, Any]:
+    """`concurrency` clients, each sending its next request when one ends."""
+    import httpx
+
+    base, path, body, headers = target
+    prefix = secrets.token_hex(4)
+    counter = itertools.count()
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    failures = 0
+
+    def url() -> str:
+        return base + path.replace("{n}", f"{prefix}-{next(counter)}")
+
+    # keepalive_expiry under uvicorn's 5 s: never reuse a connection the server is closing
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        deadline = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            nonlocal failures
+            while time.perf_counter() < deadline:
+                try:
+                    status, latency = await _one(client, url(), body, headers)
+                except (httpx.HTTPError, RuntimeError, ValueError):
+                    failures += 1
+                    continue
+                statuses[status] = statuses.get(status, 0) + 1
+                latencies.append(latency)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    ok = sum(n for s, n in statuses.items() if 200 <= s < 300)
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
+    return {
+        "concurrency": concurrency,
+        "requests": ok,
+        "answers": len(latencies),
+        "errors": len(latencies) - ok + failures,
+        "status_429": statuses.get(429, 0),
+        "status_5xx": sum(n for s, n in statuses.items() if s >= 500),
+        "statuses": {str(s): n for s, n in sorted(statuses.items())},
+        "rps": round(ok / elapsed, 1),
+        "p50_ms": round(q[49] * 1000, 2),
+        "p90_ms": round(q[89] * 1000, 2),
+        "p99_ms": round(q[98] * 1000, 2),
+    }
+
+
+def warm(target: Target) -> int:
+    """One request (connections, lazy loading); the number of 2xx answers (0 or 1)."""
+
+    async def once() -> int:
+        import httpx
+
+        base, path, body, headers = target
+        url = base + path.replace("{n}", "warm-" + secrets.token_hex(4))
+        async with httpx.AsyncClient(timeout=60) as client:
+            status, _ = await _one(client, url, body, headers)
+        return int(200 <= status < 300)
+
+    return asyncio.run(once())
+
+
+def load(target: Target, concurrency: int, seconds: float, loader: str) -> dict[str, Any]:
+    """One closed-loop load of `seconds` with `loader` ("wrk" or "python"), after a warm-up."""
+    warmed = warm(target)
+    if loader == "wrk":
+        from rlgate.bench_wrk import wrk_load
+
+        base, path, body, headers = target
+        out = wrk_load(base, path, body, headers, concurrency, seconds)
+    else:
+        out = asyncio.run(_load(target, concurrency, seconds))
+    return {**out, "warm_ok": warmed}
+
+
+def measure(
+    target: Target,
+    latency_c: int,
+    levels: list[int],
+    seconds: float,
+    loader: str,
+    settle: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Latency at `latency_c` clients, then 2xx throughput at each level; `max_rps` the best.
+
+    `settle` runs before each load: what an overloaded target still holds from the
+    last one must not be measured with the next.
+    """
+
+    def settled(c: int) -> dict[str, Any]:
+        settle()
+        return load(target, c, seconds, loader)
+
+    latency = settled(latency_c)
+    loads = [settled(c) for c in levels]
+    best = max(loads, key=lambda m: m["rps"])
+    return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}
