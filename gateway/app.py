@@ -41,6 +41,7 @@ from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
 from gateway.services.key_quotas import KeyQuotaAdmin
 from gateway.services.keys import KeyService
+from gateway.services.overload import OverloadCollector, OverloadGuard, OverloadMiddleware
 from gateway.services.quotas import QuotaMiddleware
 from gateway.services.rewards import RewardService
 from gateway.services.run_replicas import ReplicaService
@@ -102,12 +103,17 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
+        adaptive = app.state.overload.adaptive
+        lag_task = asyncio.create_task(
+            adaptive.run_forever() if adaptive else asyncio.Event().wait(), name="overload-limit"
+        )
         try:
             yield
         finally:
-            sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sync_task
+            for task in (sync_task, lag_task):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await capture.close()  # answered completions are committed before the engine goes
             await close_admin_services(app.state)
             await pool.close()
@@ -127,8 +133,12 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.add_middleware(InvalidateOnAdminWrite, cache=app.state.run_keys)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
+    # Sheds sampling calls past capacity before any of their work (parsing, auth, quotas).
+    app.state.overload = OverloadGuard(settings.overload(), app.state.run_keys.get)
+    app.add_middleware(OverloadMiddleware, guard=app.state.overload)
     app.state.metrics = GatewayMetrics()  # this app's own Prometheus registry
     app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
+    app.state.metrics.registry.register(OverloadCollector(app.state.overload))
 
     app.include_router(health.router)
     # Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,6 +16,9 @@ from inference.replicas import ReplicaConfig
 from trainer.config import QueueConfig
 from trainer.metrics_sinks import MetricsSinkConfig
 from trainer.resident_node import NodeSpec
+
+if TYPE_CHECKING:  # the web app's module; a worker building Settings never imports it
+    from gateway.services.overload import OverloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,32 @@ class Settings(BaseSettings):
         300.0, gt=0, description="rolling swap: wait this long for a replica to go idle"
     )
 
+    # Overload control of sampling calls (gateway/services/overload.py, docs/configuration.md).
+    overload_max_inflight: int = Field(
+        1024,
+        ge=0,
+        description="sampling calls one gateway process serves at once, at most "
+        "(the limit adapts between min and max by event-loop lag); 0: unbounded",
+    )
+    overload_min_inflight: int = Field(
+        32, ge=1, description="the adaptive limit's floor; equal to max_inflight: a fixed limit"
+    )
+    overload_max_inflight_per_run: int = Field(
+        0, ge=0, description="sampling calls of one run at once, per process; 0: unbounded"
+    )
+    overload_max_inflight_per_backend: int = Field(
+        0, ge=0, description="sampling calls on one backend at once, per process; 0: unbounded"
+    )
+    overload_max_queue: int = Field(
+        1024, ge=0, description="calls waiting for a slot, per scope; beyond: 429 at once"
+    )
+    overload_queue_timeout_s: float = Field(
+        10.0, gt=0, description="a waiting call gets 429 after this long without a slot"
+    )
+    overload_lag_target_ms: float = Field(
+        25.0, gt=0, description="event-loop lag above which the adaptive limit shrinks"
+    )
+
     # Per-key rate limits and token quotas (gateway/services/quotas.py); off without a Redis URL.
     quota_redis_url: str = Field("", description="Redis for per-key quotas; empty: quotas off")
     quota_prefix: str = Field("rlgate:quota:", description="namespace of the quota keys in Redis")
@@ -212,6 +242,19 @@ class Settings(BaseSettings):
             max_attempts=self.replica_max_attempts,
             sticky_slack=self.replica_sticky_slack,
             drain_timeout_s=self.replica_drain_timeout_s,
+        )
+
+    def overload(self) -> OverloadConfig:
+        from gateway.services.overload import OverloadConfig
+
+        return OverloadConfig(
+            max_inflight=self.overload_max_inflight,
+            min_inflight=self.overload_min_inflight,
+            max_inflight_per_run=self.overload_max_inflight_per_run,
+            max_inflight_per_backend=self.overload_max_inflight_per_backend,
+            max_queue=self.overload_max_queue,
+            queue_timeout_s=self.overload_queue_timeout_s,
+            lag_target_s=self.overload_lag_target_ms / 1000,
         )
 
     def metrics_sinks(self) -> MetricsSinkConfig:

@@ -1,0 +1,358 @@
+"""Overload control: bounded sampling calls per process, run and backend; a quick 429 beyond.
+
+Past saturation a gateway that takes every call does less work, not the
+same work more slowly: every admitted call competes for the one event loop,
+the database pool and the capture writer, so each one's latency grows with
+the number in flight and clients time out on work already half done. Here a
+sampling call (POST `/v1/chat/completions`, `/v1/completions`,
+`/v1/responses`, `/v1/messages`, under any episode prefix) takes a slot
+before any of its work starts and gives it back once its response (stream
+included) is sent:
+
+* **slots.** Up to `limit` calls run at once per scope: this process,
+  the caller's run, and the run's backend (its own, or the base model that
+  LoRA runs share in-process). A call takes its run's slot, then its
+  backend's, then the process's.
+* **queue.** A call that finds no free slot waits in a FIFO of at most
+  `max_queue` callers per scope; a freed slot goes to the oldest waiter
+  (handed over, never raced for). A call that finds the queue full is
+  answered at once.
+* **deadline.** A waiter not given a slot within `queue_timeout_s` is
+  answered then. Either answer is 429 `rate_limit_error`, code
+  `overloaded`, with `retry-after-ms` and `Retry-After` (the `openai` SDK
+  prefers the former and honours values up to 60 s; its default two retries
+  then wait that long). The wait is estimated from the queue ahead and the
+  recent time a call holds a slot, with up to 50 % jitter so that callers
+  turned away together do not return together.
+
+The process limit adapts (`AdaptiveLimit`), between `min_inflight` and
+`max_inflight`: a gateway whose calls mostly wait on a GPU server needs
+hundreds in flight, while one whose own CPU is the bottleneck (a fast
+backend, many small calls) serves more with a few dozen. The signal is the
+event loop's lag: while it stays under `lag_target_s` and the limit is in
+use, the limit grows by 5 % per tick; above it, it shrinks by 20 %. A call
+already admitted always finishes; only new ones wait.
+
+The first call of an API key in a process is bounded by the process alone:
+its run is known once authentication has cached it (`RunKeyCache`), so
+there is no database read here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import RateLimited, error_response
+from gateway.keys import hash_key
+from gateway.store.models import Run
+from inference import registry
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+MAX_RETRY_AFTER_S = 60.0  # what the openai SDK honours (newer versions: 120)
+MIN_RETRY_AFTER_S = 0.1
+
+
+@dataclass(frozen=True)
+class OverloadConfig:
+    """The bounds; a 0 limit or queue means unbounded (see the module docstring)."""
+
+    max_inflight: int = 1024  # the process's adaptive limit, at most
+    min_inflight: int = 32  # ... and at least (= max_inflight: a fixed limit)
+    max_inflight_per_run: int = 0
+    max_inflight_per_backend: int = 0
+    max_queue: int = 1024  # waiters per scope
+    queue_timeout_s: float = 10.0
+    lag_target_s: float = 0.025
+    tick_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_inflight and self.min_inflight > self.max_inflight:
+            raise ValueError("overload_min_inflight exceeds overload_max_inflight: lower it")
+
+
+class Overloaded(Exception):
+    """No slot: the queue was full, or the deadline passed first."""
+
+    def __init__(self, scope: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"{scope}: {reason}")
+        self.scope, self.reason, self.retry_after_s = scope, reason, retry_after_s
+
+
+class Limiter:
+    """`limit` slots and a FIFO of at most `max_queue` waiters (0: unbounded)."""
+
+    def __init__(self, name: str, limit: int, max_queue: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.max_queue = max_queue
+        self.inflight = 0
+        self.inflight_peak = 0
+        self.queue_peak = 0
+        self.rejected = {"queue_full": 0, "deadline": 0}
+        self.hold_s = 0.05  # moving average of how long a call holds a slot
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def _free(self) -> bool:
+        return self.limit <= 0 or self.inflight < self.limit
+
+    async def acquire(self, deadline: float) -> None:
+        """Take a slot, waiting in line until `deadline` (monotonic); else raise Overloaded."""
+        if self._free() and not self._waiters:
+            self.inflight += 1
+            self.inflight_peak = max(self.inflight_peak, self.inflight)
+            return
+        if self.max_queue and len(self._waiters) >= self.max_queue:
+            raise self._reject("queue_full")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self.queue_peak = max(self.queue_peak, len(self._waiters))
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                await waiter
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # handed a slot as the deadline struck: it is ours
+            self._drop(waiter)
+            raise self._reject("deadline") from None
+        except asyncio.CancelledError:  # the client went away while waiting
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            self._drop(waiter)
+            raise
+
+    def release(self, held_s: float | None = None) -> None:
+        """Give the slot back: to the oldest waiter if any, else to the pool."""
+        if held_s is not None:
+            self.hold_s += 0.1 * (held_s - self.hold_s)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                if self.limit <= 0 or self.inflight <= self.limit:
+                    waiter.set_result(None)  # the slot passes over; inflight is unchanged
+                    return
+                self._waiters.appendleft(waiter)  # the limit shrank: this slot goes
+                break
+        self.inflight -= 1
+
+    def wake(self) -> None:
+        """Admit waiters into slots a raised limit made free."""
+        while self._waiters and self._free():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.inflight += 1
+                self.inflight_peak = max(self.inflight_peak, self.inflight)
+                waiter.set_result(None)
+
+    def retry_after_s(self) -> float:
+        """The wait a caller turned away now may expect: the line ahead, slot by slot."""
+        slots = self.limit if self.limit > 0 else max(1, self.inflight)
+        wait = (len(self._waiters) + 1) * self.hold_s / slots
+        wait *= 1 + 0.5 * random.random()
+        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait))
+
+    def _drop(self, waiter: asyncio.Future[None]) -> None:
+        waiter.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def _reject(self, reason: str) -> Overloaded:
+        self.rejected[reason] += 1
+        return Overloaded(self.name, reason, self.retry_after_s())
+
+
+def _loop_time(deadline: float) -> float:
+    """A `time.monotonic()` deadline on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+class AdaptiveLimit:
+    """Moves a limiter's limit by the event loop's lag (see the module docstring)."""
+
+    def __init__(self, limiter: Limiter, cfg: OverloadConfig) -> None:
+        self.limiter = limiter
+        self.cfg = cfg
+        self.lag_s = 0.0
+
+    def observe(self, lag_s: float) -> None:
+        """One tick: the loop's lag just measured."""
+        self.lag_s += 0.5 * (lag_s - self.lag_s)
+        lim, cfg = self.limiter, self.cfg
+        if self.lag_s > cfg.lag_target_s:
+            lim.limit = max(cfg.min_inflight, int(lim.limit * 0.8))
+        elif lim.inflight >= lim.limit * 0.9 or lim.queued:  # in use: room to grow
+            lim.limit = min(cfg.max_inflight, lim.limit + max(1, math.ceil(lim.limit * 0.05)))
+            lim.wake()
+
+    async def run_forever(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(self.cfg.tick_s)
+            self.observe(max(0.0, time.monotonic() - start - self.cfg.tick_s))
+
+
+class OverloadGuard:
+    """Every scope's limiter in this process; `scopes` picks those of one call."""
+
+    def __init__(self, cfg: OverloadConfig, run_of: Callable[[str], Run | None]) -> None:
+        self.cfg = cfg
+        self.run_of = run_of  # key hash -> run, from the auth cache (None: not cached)
+        start = min(max(cfg.min_inflight, 64), cfg.max_inflight) if cfg.max_inflight else 0
+        self.process = Limiter("process", start, cfg.max_queue)
+        self.adaptive = (
+            AdaptiveLimit(self.process, cfg)
+            if cfg.max_inflight and cfg.min_inflight < cfg.max_inflight
+            else None
+        )
+        self.limiters: dict[str, Limiter] = {}
+        self._keys: dict[str, tuple[str, str]] = {}  # key hash -> (run scope, backend scope)
+
+    def scopes(self, key_hash: str | None) -> list[Limiter]:
+        """The limiters a call takes, in order: its run's, its backend's, the process's."""
+        found = self._keys.get(key_hash) if key_hash else None
+        if found is None and key_hash:
+            run = self.run_of(key_hash)
+            if run is not None:
+                found = self._keys[key_hash] = (f"run:{run.id}", backend_scope(run))
+                if len(self._keys) > 100_000:
+                    self._keys.clear()
+        out = []
+        if found is not None:
+            run_scope, backend = found
+            if self.cfg.max_inflight_per_run:
+                out.append(self._limiter(run_scope, self.cfg.max_inflight_per_run))
+            if self.cfg.max_inflight_per_backend:
+                out.append(self._limiter(backend, self.cfg.max_inflight_per_backend))
+        out.append(self.process)
+        return out
+
+    def _limiter(self, name: str, limit: int) -> Limiter:
+        lim = self.limiters.get(name)
+        if lim is None:
+            lim = self.limiters[name] = Limiter(name, limit, self.cfg.max_queue)
+        return lim
+
+    def all(self) -> list[Limiter]:
+        return [self.process, *self.limiters.values()]
+
+
+class OverloadCollector(Collector):
+    """The guard's limiters as Prometheus families, labelled by scope."""
+
+    def __init__(self, guard: OverloadGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            "limit": "slots of the scope (the process's adapts)",
+            "inflight": "sampling calls holding a slot",
+            "queued": "sampling calls waiting for a slot",
+            "inflight_peak": "most calls ever holding a slot at once",
+            "queue_peak": "most calls ever waiting at once",
+        }
+        limiters = self.guard.all()
+        for name, doc in gauges.items():
+            fam = GaugeMetricFamily(f"rlgate_overload_{name}", doc, labels=["scope"])
+            for lim in limiters:
+                fam.add_metric([lim.name], getattr(lim, name))
+            yield fam
+        rejected = CounterMetricFamily(
+            "rlgate_overload_rejected", "calls answered 429 overloaded", labels=["scope", "reason"]
+        )
+        for lim in limiters:
+            for reason, n in lim.rejected.items():
+                rejected.add_metric([lim.name, reason], n)
+        yield rejected
+
+
+def backend_scope(run: Run) -> str:
+    """The backend a run samples from in this process: a shared in-process LoRA base
+    (`BackendPool._load_lora`), else one of its own."""
+    lora = (run.config or {}).get("lora_rank") is not None
+    if lora and not registry.get(run.backend).remote:
+        return f"base:{run.backend}:{run.model_path}"
+    return f"backend:{run.id}"
+
+
+def _api_key(scope: Scope) -> str | None:
+    """The caller's key as `gateway.deps` reads it, without raising."""
+    bearer = api_key = None
+    for name, value in scope.get("headers") or ():
+        if name == b"authorization":
+            kind, _, token = value.decode("latin-1").partition(" ")
+            if kind.lower() == "bearer" and token.strip():
+                bearer = token.strip()
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1").strip() or None
+    return bearer or api_key
+
+
+class OverloadMiddleware:
+    """ASGI middleware: a slot per scope for each sampling call, or a quick 429."""
+
+    def __init__(self, app: ASGIApp, guard: OverloadGuard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not scope["path"].endswith(SAMPLING_SUFFIXES)
+        ):
+            await self.app(scope, receive, send)
+            return
+        key = _api_key(scope)
+        key_hash = hash_key(key) if key else None
+        held: list[Limiter] = []
+        deadline = time.monotonic() + self.guard.cfg.queue_timeout_s
+        try:
+            for limiter in self.guard.scopes(key_hash):
+                await limiter.acquire(deadline)
+                held.append(limiter)
+        except Overloaded as exc:
+            for limiter in reversed(held):
+                limiter.release()
+            await _too_busy(exc, scope, receive, send)
+            return
+        except BaseException:
+            for limiter in reversed(held):
+                limiter.release()
+            raise
+        start = time.monotonic()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            held_s = time.monotonic() - start
+            for limiter in reversed(held):
+                limiter.release(held_s)
+
+
+async def _too_busy(exc: Overloaded, scope: Scope, receive: Receive, send: Send) -> None:
+    wait = exc.retry_after_s
+    full = "its queue is full" if exc.reason == "queue_full" else "no slot freed in time"
+    err = RateLimited(
+        f"the gateway is at capacity ({exc.scope}: {full}); retry after {wait:.1f} s",
+        retry_after_s=max(1, math.ceil(wait)),
+        code="overloaded",
+    )
+    response = error_response(err, scope["path"])
+    response.headers["retry-after-ms"] = str(round(wait * 1000))
+    await response(scope, receive, send)

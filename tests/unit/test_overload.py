@@ -1,0 +1,166 @@
+"""Overload control: slots, the bounded FIFO, the deadline, the adaptive limit and the 429."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gateway.services.overload import (
+    AdaptiveLimit,
+    Limiter,
+    OverloadConfig,
+    Overloaded,
+    OverloadGuard,
+    OverloadMiddleware,
+)
+
+FAR = 3600.0  # a deadline that never strikes in these tests
+
+
+def later() -> float:
+    return time.monotonic() + FAR
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_freed_slot_goes_to_the_oldest_waiter_and_a_full_queue_is_refused() -> None:
+    lim = Limiter("t", limit=1, max_queue=2)
+    await lim.acquire(later())
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await lim.acquire(later())
+        order.append(name)
+
+    b = asyncio.create_task(wait("b"))
+    await _settle()
+    c = asyncio.create_task(wait("c"))
+    await _settle()
+    assert lim.queued == 2 and lim.queue_peak == 2
+    with pytest.raises(Overloaded) as refused:
+        await lim.acquire(later())
+    assert refused.value.reason == "queue_full" and lim.rejected["queue_full"] == 1
+    lim.release()
+    await b
+    assert order == ["b"] and lim.inflight == 1  # handed over, never counted twice
+    lim.release()
+    await c
+    lim.release()
+    assert order == ["b", "c"] and lim.inflight == 0 and lim.inflight_peak == 1
+
+
+async def test_a_waiter_past_its_deadline_is_refused_and_leaves_the_line() -> None:
+    lim = Limiter("t", limit=1, max_queue=4)
+    await lim.acquire(later())
+    with pytest.raises(Overloaded) as late:
+        await lim.acquire(time.monotonic() + 0.01)
+    assert late.value.reason == "deadline" and lim.queued == 0
+    lim.release()
+    assert lim.inflight == 0
+
+
+async def test_a_cancelled_waiter_leaks_no_slot() -> None:
+    lim = Limiter("t", limit=1, max_queue=4)
+    await lim.acquire(later())
+    waiter = asyncio.create_task(lim.acquire(later()))
+    await _settle()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    lim.release()
+    assert lim.inflight == 0 and lim.queued == 0
+    await lim.acquire(later())  # the slot is free again
+    assert lim.inflight == 1
+
+
+async def test_a_shrunk_limit_hands_no_slot_over_until_inflight_fits() -> None:
+    lim = Limiter("t", limit=2, max_queue=4)
+    await lim.acquire(later())
+    await lim.acquire(later())
+    waiter = asyncio.create_task(lim.acquire(later()))
+    await _settle()
+    lim.limit = 1
+    lim.release()  # 2 -> 1 in flight: at the new limit, the waiter still waits
+    await _settle()
+    assert not waiter.done() and lim.inflight == 1
+    lim.release()
+    await waiter
+    assert lim.inflight == 1
+
+
+def test_retry_after_stays_within_what_the_sdk_honours() -> None:
+    lim = Limiter("t", limit=1, max_queue=0)
+    lim.hold_s = 1e6
+    assert lim.retry_after_s() == 60.0
+    lim.hold_s = 0.0
+    assert lim.retry_after_s() == 0.1
+
+
+async def test_the_adaptive_limit_shrinks_on_lag_and_grows_only_while_in_use() -> None:
+    cfg = OverloadConfig(max_inflight=100, min_inflight=10, lag_target_s=0.02)
+    lim = Limiter("process", limit=50, max_queue=0)
+    ctl = AdaptiveLimit(lim, cfg)
+    for _ in range(20):
+        ctl.observe(0.5)
+    assert lim.limit == 10  # the floor
+    for _ in range(50):
+        ctl.observe(0.0)
+    assert lim.limit == 10  # idle: a limit nobody uses does not grow
+    for _ in range(10):
+        await lim.acquire(later())
+    waiter = asyncio.create_task(lim.acquire(later()))
+    await _settle()
+    ctl.observe(0.0)  # lag back under target (its average halves each tick) and in use
+    ctl.observe(0.0)
+    assert lim.limit > 10
+    await waiter  # the raised limit admitted the waiter
+    assert lim.inflight == 11
+
+
+def test_the_floor_may_not_exceed_the_ceiling() -> None:
+    with pytest.raises(ValueError, match="overload_min_inflight"):
+        OverloadConfig(max_inflight=4, min_inflight=8)
+
+
+def _app(guard: OverloadGuard, gate: asyncio.Event) -> OverloadMiddleware:
+    async def chat(request: Request) -> JSONResponse:
+        await gate.wait()
+        return JSONResponse({"ok": True})
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"])]
+    routes.append(Route("/v1/rewards", chat, methods=["POST"]))
+    return OverloadMiddleware(Starlette(routes=routes), guard=guard)
+
+
+async def test_the_middleware_answers_a_quick_openai_429_past_the_bound() -> None:
+    cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=1, queue_timeout_s=FAR)
+    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    gate = asyncio.Event()
+    transport = httpx.ASGITransport(app=_app(guard, gate))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        first = asyncio.create_task(client.post("/v1/chat/completions", json={}))
+        second = asyncio.create_task(client.post("/v1/chat/completions", json={}))
+        await _settle()
+        assert guard.process.inflight == 1 and guard.process.queued == 1
+        third = await client.post("/v1/chat/completions", json={})
+        assert third.status_code == 429
+        assert third.json()["error"]["code"] == "overloaded"
+        assert set(third.json()["error"]) == {"message", "type", "param", "code"}
+        assert 100 <= int(third.headers["retry-after-ms"]) <= 60_000
+        assert 1 <= int(third.headers["retry-after"]) <= 60
+        other = asyncio.create_task(client.post("/v1/rewards", json={}))  # not a sampling call
+        await _settle()
+        assert guard.process.queued == 1
+        gate.set()
+        assert [(await t).status_code for t in (first, second, other)] == [200, 200, 200]
+    assert guard.process.inflight == 0
