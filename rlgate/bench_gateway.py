@@ -20,8 +20,9 @@ are paid; the stub and LiteLLM get the same body on their chat route.
 
 Latency: percentiles at `latency_concurrency` clients. Throughput: the best
 2xx requests/s over the closed-loop levels (a 429 or 5xx is never
-throughput; both are reported beside it). Every 2xx answer of each rlgate
-gateway is then looked for in the database. The last line is JSON
+throughput; both are reported beside it), each counted after a `warmup` and
+started once the stub is idle (`settle`). Every 2xx answer of each rlgate
+gateway, warm-ups included, is then looked for in the database. The last line is JSON
 (`bench_gateway_report.summary`).
 """
 
@@ -205,6 +206,7 @@ def bench_gateway(
     work_dir: Path | None = None,
     workers: tuple[int, ...] = (1,),
     modes: tuple[str, ...] = MODES,
+    warmup: float = 1.0,
 ) -> dict[str, Any]:
     from inference.models import resolve_model
     from rlgate import bench_litellm
@@ -262,6 +264,7 @@ def bench_gateway(
                     seconds,
                     loader,
                     lambda: settle(stub_url),
+                    warmup,
                 )
                 results.setdefault(mode, {})[name] = m
                 for level in (m["latency"], *m["throughput"]):
@@ -269,7 +272,7 @@ def bench_gateway(
         stored = {}
         for name, (_, run) in gateways.items():
             answered = sum(
-                level["requests"] + level["warm_ok"]
+                level["requests"] + level["warm_2xx"] + level["warm_ok"]
                 for r in results.values()
                 for level in (r[name]["latency"], *r[name]["throughput"])
             )
@@ -284,6 +287,7 @@ def bench_gateway(
         stub_latency_ms=latency_ms,
         output_tokens=output_tokens,
         seconds=seconds,
+        warmup_s=warmup,
         latency_concurrency=latency_concurrency,
         levels=list(levels),
     )
@@ -326,6 +330,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--seconds", "--duration", type=float, default=5.0, help="per load (1 for a quick check)"
     )
+    p.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of each load left out of its figures"
+    )
     p.add_argument("--latency-concurrency", type=int, default=4)
     p.add_argument(
         "--levels",
@@ -364,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         args.work_dir,
         args.workers,
         args.modes,
+        args.warmup,
     )
     if out["litellm_version"]:
         print(f"LiteLLM {out['litellm_version']}")

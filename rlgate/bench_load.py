@@ -3,8 +3,10 @@
 Both loaders give one result shape per load: ``requests`` (2xx answers; only
 those are throughput), ``rps`` (2xx per second), ``status_429``,
 ``status_5xx``, ``errors`` (every answer that is not 2xx, and transport
-errors) and the p50/p90/p99 latencies. A path may hold ``{n}``: each request
-gets its own value there (a fresh episode per request).
+errors) and the p50/p90/p99 latencies, all counted after a warm-up whose 2xx
+answers are ``warm_2xx`` (512 clients that start at once answer in rounds at
+first; that transient is not the sustained rate). A path may hold ``{n}``:
+each request gets its own value there (a fresh episode per request).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> tuple[int, f
     return resp.status_code, time.perf_counter() - t0
 
 
-async def _load(target: Target, concurrency: int, seconds: float) -> dict[str, Any]:
+async def _load(target: Target, concurrency: int, seconds: float, warmup: float) -> dict[str, Any]:
     """`concurrency` clients, each sending its next request when one ends."""
     import httpx
 
@@ -46,7 +48,7 @@ async def _load(target: Target, concurrency: int, seconds: float) -> dict[str, A
     counter = itertools.count()
     latencies: list[float] = []
     statuses: dict[int, int] = {}
-    failures = 0
+    failures = warm_ok = 0
 
     def url() -> str:
         return base + path.replace("{n}", f"{prefix}-{next(counter)}")
@@ -56,22 +58,25 @@ async def _load(target: Target, concurrency: int, seconds: float) -> dict[str, A
         max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
     )
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-        deadline = time.perf_counter() + seconds
+        measured_from = time.perf_counter() + warmup
+        deadline = measured_from + seconds
 
         async def worker() -> None:
-            nonlocal failures
+            nonlocal failures, warm_ok
             while time.perf_counter() < deadline:
                 try:
                     status, latency = await _one(client, url(), body, headers)
                 except (httpx.HTTPError, RuntimeError, ValueError):
-                    failures += 1
+                    failures += time.perf_counter() >= measured_from
+                    continue
+                if time.perf_counter() < measured_from:
+                    warm_ok += 200 <= status < 300
                     continue
                 statuses[status] = statuses.get(status, 0) + 1
                 latencies.append(latency)
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - measured_from
     ok = sum(n for s, n in statuses.items() if 200 <= s < 300)
     q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
     return {
@@ -86,6 +91,7 @@ async def _load(target: Target, concurrency: int, seconds: float) -> dict[str, A
         "p50_ms": round(q[49] * 1000, 2),
         "p90_ms": round(q[89] * 1000, 2),
         "p99_ms": round(q[98] * 1000, 2),
+        "warm_2xx": warm_ok,
     }
 
 
@@ -104,16 +110,21 @@ def warm(target: Target) -> int:
     return asyncio.run(once())
 
 
-def load(target: Target, concurrency: int, seconds: float, loader: str) -> dict[str, Any]:
-    """One closed-loop load of `seconds` with `loader` ("wrk" or "python"), after a warm-up."""
+def load(
+    target: Target, concurrency: int, seconds: float, loader: str, warmup: float = 1.0
+) -> dict[str, Any]:
+    """One closed-loop load with `loader` ("wrk" or "python"): one request, `warmup`, `seconds`.
+
+    `warmup` is whole seconds with wrk. `warm_ok`: the first request's 2xx (0 or 1).
+    """
     warmed = warm(target)
     if loader == "wrk":
         from rlgate.bench_wrk import wrk_load
 
         base, path, body, headers = target
-        out = wrk_load(base, path, body, headers, concurrency, seconds)
+        out = wrk_load(base, path, body, headers, concurrency, seconds, warmup)
     else:
-        out = asyncio.run(_load(target, concurrency, seconds))
+        out = asyncio.run(_load(target, concurrency, seconds, warmup))
     return {**out, "warm_ok": warmed}
 
 
@@ -124,6 +135,7 @@ def measure(
     seconds: float,
     loader: str,
     settle: Callable[[], None] = lambda: None,
+    warmup: float = 1.0,
 ) -> dict[str, Any]:
     """Latency at `latency_c` clients, then 2xx throughput at each level; `max_rps` the best.
 
@@ -133,7 +145,7 @@ def measure(
 
     def settled(c: int) -> dict[str, Any]:
         settle()
-        return load(target, c, seconds, loader)
+        return load(target, c, seconds, loader, warmup)
 
     latency = settled(latency_c)
     loads = [settled(c) for c in levels]

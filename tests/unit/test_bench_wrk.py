@@ -9,9 +9,10 @@ import pytest
 from rlgate.bench_wrk import MARK, parse, script
 
 LINE = {
-    "duration_us": 5_000_000,
-    "answers": 1046,
+    "duration_us": 6_000_000,
+    "warmup_us": 1_000_000,
     "statuses": {"200": 900, "429": 120, "503": 20, "404": 6},
+    "warm_statuses": {"200": 150, "429": 3},
     "socket_errors": 3,
     "p50_us": 161_480,
     "p90_us": 341_020,
@@ -22,10 +23,10 @@ LINE = {
 def wrk_output(line: dict) -> str:
     """What wrk prints with the script: its own summary, then the script's line."""
     return (
-        "Running 5s test @ http://127.0.0.1:41000\n"
+        "Running 6s test @ http://127.0.0.1:41000\n"
         "  1 threads and 32 connections\n"
-        "  1046 requests in 5.00s, 1.43MB read\n"
-        "Requests/sec:    209.20\n"
+        "  1199 requests in 6.00s, 1.43MB read\n"
+        "Requests/sec:    199.83\n"
         f"{MARK}{json.dumps(line)}\n"
     )
 
@@ -33,7 +34,8 @@ def wrk_output(line: dict) -> str:
 def test_parse_counts_only_2xx_as_throughput() -> None:
     m = parse(wrk_output(LINE))
     assert m["requests"] == 900
-    assert m["rps"] == pytest.approx(180.0)  # 900 in 5 s, not wrk's 209 for every answer
+    assert m["rps"] == pytest.approx(180.0)  # 900 in the 5 s after warm-up; not wrk's 199.83
+    assert m["warm_2xx"] == 150 and m["answers"] == 1046
     assert m["status_429"] == 120 and m["status_5xx"] == 20
     assert m["errors"] == 146 + 3  # every non-2xx answer and the socket errors
     assert m["statuses"] == {"200": 900, "404": 6, "429": 120, "503": 20}
@@ -41,9 +43,9 @@ def test_parse_counts_only_2xx_as_throughput() -> None:
 
 
 def test_parse_no_answers() -> None:
-    line = LINE | {"answers": 0, "statuses": {}, "socket_errors": 0}
+    line = LINE | {"statuses": {}, "warm_statuses": {}, "socket_errors": 0}
     m = parse(wrk_output(line))
-    assert m["rps"] == 0.0 and m["requests"] == 0 and m["errors"] == 0
+    assert m["rps"] == 0.0 and m["requests"] == 0 and m["errors"] == 0 and m["warm_2xx"] == 0
 
 
 def test_script_numbers_the_path_only_when_asked() -> None:
@@ -52,6 +54,7 @@ def test_script_numbers_the_path_only_when_asked() -> None:
     assert "[==[/episodes/]==], [==[/v1/chat/completions]==]" in numbered
     assert '["Authorization"] = "Bearer k"' in numbered
     assert '["Content-Type"] = "application/json"' in numbered
-    fixed = script("/v1/completions", {"a": 1}, {})
-    assert "local numbered = false" in fixed
+    assert "local warmup = 0.0" in numbered
+    fixed = script("/v1/completions", {"a": 1}, {}, warmup=2)
+    assert "local numbered = false" in fixed and "local warmup = 2.0" in fixed
     assert '[==[{"a": 1}]==]' in fixed
