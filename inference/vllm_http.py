@@ -20,6 +20,16 @@ requests from other clients and clears the prefix cache, whose KV was
 computed by the old weights), `/collective_rpc` `reload_weights` (in place),
 `/update_weight_version` (informative) and `/resume`.
 
+Weights over a collective (`weight_sync: collective`, docs/weight-sync.md):
+the same pause and resume around `_receive`, which asks the trainer to open
+a transfer for every worker of the server (counted once, by a
+`/collective_rpc` that each worker answers) and has them join it through
+rlgate's worker extension (`--worker-extension-cls
+rlgate_vllm_ext.WeightReceiver`, `inference/weight_wire/`), which receives
+over gloo and reloads in place. vLLM's own weight-transfer API
+(`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`) has only CUDA engines (`nccl`, `ipc`) in 0.32.
+
 LoRA adapters (vLLM's runtime LoRA API; the server runs with `--enable-lora`
 and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, which `rlgate inference serve
 --enable-lora` sets). A request for adapter `name` is sent with
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -49,9 +60,11 @@ from inference.http_backend import HttpBackend, Tokens
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest
+from inference.weight_sync import WIRE_DIR, CollectiveSource, open_transfer
 
 # Server flags this backend relies on (`rlgate inference serve` passes them).
 REQUIRED_SERVER_ARGS = ("--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
+WORKER_EXTENSION = "rlgate_vllm_ext.WeightReceiver"  # in WIRE_DIR, on the server's PYTHONPATH
 
 
 def completion_body(model: str, request: GenerateRequest, stream: bool) -> dict[str, Any]:
@@ -117,6 +130,7 @@ class VLLMBackend(HttpBackend):
     adapter_reload_atomic = True  # load_inplace: the new weights load before the old go
 
     _model: str | None = None
+    _workers: int | None = None  # the server's workers (tensor x pipeline parallel ranks)
     _max_model_len: int | None = None
     # (adapter, path) pairs this backend has had vLLM load: its prefix cache may hold their KV
     _adapter_paths: set[tuple[str, str]] | None = None
@@ -173,6 +187,20 @@ class VLLMBackend(HttpBackend):
     async def _resume(self) -> None:
         await self._control("/resume")
 
+    async def _receive(self, source: CollectiveSource, version: int) -> None:
+        if self._workers is None:
+            resp = await self._control("/collective_rpc", json={"method": "rlgate_worker_rank"})
+            self._workers = len(json_body(resp, "vLLM /collective_rpc").get("results") or [])
+            if not self._workers:
+                raise BackendError(f"vLLM at {self.url}: no worker answered /collective_rpc")
+        rdv = await open_transfer(source, self._workers)
+        kwargs = {"rendezvous": json.dumps(rdv.to_json())}
+        await self._control(
+            "/collective_rpc", json={"method": "rlgate_receive_weights", "kwargs": kwargs}
+        )
+        with contextlib.suppress(BackendError):  # informative only
+            await self._control("/update_weight_version", json={"new_version": str(version)})
+
     async def _load_adapter(self, name: str, adapter_dir: Path, replace: bool) -> None:
         seen = self._adapter_paths = self._adapter_paths or set()
         key = (name, str(adapter_dir))
@@ -210,6 +238,7 @@ def server_command(cfg: ServerConfig) -> list[str]:
     module = "vllm.entrypoints.openai.api_server"
     cmd = [*base_command(cfg, module, "--model", "--max-model-len"), "--max-logprobs", "20"]
     cmd += [*REQUIRED_SERVER_ARGS, *(["--enforce-eager"] if cfg.enforce_eager else [])]
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.enable_lora:
         cmd += ["--enable-lora", "--max-loras", str(cfg.max_loras)]
         cmd += ["--max-lora-rank", str(cfg.max_lora_rank)]
@@ -219,6 +248,7 @@ def server_command(cfg: ServerConfig) -> list[str]:
 def server_env(cfg: ServerConfig, env: dict[str, str]) -> None:
     """Add what vLLM needs to the server's environment `env`."""
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc (reload_weights), /reset_prefix_cache
+    env["PYTHONPATH"] = str(WIRE_DIR)  # the worker extension (never rlgate's environment)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
     if cfg.enable_lora:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -158,6 +158,18 @@ class RunConfig(BaseModel):
         1, ge=1, description="torchrun ranks per step (engine='fsdp' or 'megatron')"
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    # --- how new weights reach the inference servers (see docs/weight-sync.md)
+    weight_sync: Literal["disk", "collective"] = Field(
+        "disk",
+        description="disk: every version is written and the servers reload it; collective: "
+        "the trainer sends it over a process group the servers join (vllm/sglang backends)",
+    )
+    save_every_steps: int = Field(
+        10,
+        ge=1,
+        description="collective: write the checkpoint every this many versions (and always on "
+        "pause, stop and worker shutdown); disk writes every version",
+    )
     # --- where step metrics also go (trainer.metrics_sinks); None fields defer to the worker
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     seed: int = 0
@@ -203,6 +215,11 @@ class RunConfig(BaseModel):
             raise ValueError("engine='megatron' runs on NCCL only: set parallel.backend to 'auto'")
         if self.gamma != 1.0 and self.reward_policy != "discounted":
             raise ValueError("gamma only applies to reward_policy='discounted': set both")
+        if self.weight_sync == "collective" and (self.lora or self.engine == "megatron"):
+            raise ValueError(
+                "weight_sync 'collective' sends full weights from engine 'local' or 'fsdp': "
+                "use 'disk' for LoRA adapters and megatron"
+            )
         self._check_lora()
         return self
 

@@ -31,6 +31,7 @@ from gateway.store.episodes import mark_step_trained_sync, release_step_episodes
 from gateway.store.models import PolicyVersion, Run, TrainStep
 from gateway.store.runs import advance_version_sync, lock_run_sync
 from gateway.store.status import StepStatus
+from inference.weight_sync import offer_path, saved
 from rlgate.settings import Settings
 from trainer.batch import Sample, load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
@@ -42,6 +43,7 @@ from trainer.launch import run_fsdp_step, write_samples
 from trainer.metrics_sinks import TrackedRun, make_sinks
 from trainer.resident_pool import ResidentPool
 from trainer.resident_protocol import Init
+from trainer.weight_sync import StepWeights, hf_state, newest_saved, save_due
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class Trainer:
         self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B/MLflow
         # torchrun engines: each run's ranks stay up between steps (trainer.resident_pool)
         self.resident = ResidentPool(settings.node(), settings.resident_idle_s, self._run_active)
+        # weight_sync: when checkpoints are written; collective: the newest weights, offered
+        self.weights = StepWeights()
+        self.weights.watch(self._run_active)
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:
         """The cached engine if it is at the run's version, else a fresh one from the checkpoint.
@@ -67,7 +72,7 @@ class Trainer:
         engine = self.engines.get(run.id)
         if engine is not None and engine.version == run.current_version:
             return engine
-        pv = session.get(PolicyVersion, (run.id, run.current_version))
+        pv = newest_saved(session, run.id, run.current_version)  # collective: maybe older
         if pv is None:
             raise RuntimeError(f"run {run.id} has no checkpoint for version {run.current_version}")
         engine = engine_class(cfg.engine)(
@@ -94,11 +99,13 @@ class Trainer:
             # backoff (see register_tasks); the step stays "running" until then.
             self.engines.pop(run_id, None)
             self.resident.discard(run_id)
+            self.weights.forget(run_id)
             raise
         except Exception as exc:
             logger.exception("step %d of run %s failed", step, run_id)
             self.engines.pop(run_id, None)
             self.resident.discard(run_id)
+            self.weights.forget(run_id)
             self._fail(run_id, step, exc)
             raise
 
@@ -116,7 +123,7 @@ class Trainer:
             model_path = Path(run.model_path)
             torchrun = engine_entry(cfg.engine).torchrun
             if torchrun:
-                pv = s.get(PolicyVersion, (run.id, run.current_version))
+                pv = newest_saved(s, run.id, run.current_version)
                 if pv is None:
                     raise RuntimeError(f"run {run.id} has no checkpoint for v{run.current_version}")
                 checkpoint = Path(pv.checkpoint_path)
@@ -150,8 +157,16 @@ class Trainer:
                     threads_per_rank=threads,
                 )
         else:
-            metrics = engine.step(samples)
-            engine.save(out, model_path)
+            with self.weights.lock(run_id):  # the pause watcher may save this engine meanwhile
+                metrics = engine.step(samples)
+                metrics |= self.weights.after_step(
+                    run_id,
+                    cfg,
+                    step + 1,
+                    out,
+                    partial(engine.save, out, model_path),
+                    partial(hf_state, engine.model),
+                )
             if cfg.save_optimizer_state:
                 engine.save_optimizer(self._optimizer_dir(run_id))
             threads = torch.get_num_threads()
@@ -207,6 +222,7 @@ class Trainer:
             reference_dir=str(model_path) if cfg.kl_coef > 0 or cfg.lora else None,
             # a new group resumes the moments saved for v`step`, after a step or on a release
             optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)),
+            run_id=run_id,
         )
         return self.resident.step(
             run_id,
@@ -219,6 +235,7 @@ class Trainer:
             threads_per_rank=self._threads_per_rank(cfg.world_size),
             timeout_s=self.settings.step_timeout_s,
             every_step=keep,
+            save=save_due(cfg, step + 1),  # weight_sync collective: only every few versions
         )
 
     def _run_active(self, run_id: str) -> bool:
@@ -230,6 +247,7 @@ class Trainer:
     def close(self) -> None:
         """Worker shutdown: release every resident group, then close the trackers."""
         self.resident.close()
+        self.weights.close()
         self.sinks.close()
 
     def _record_sink_errors(self, run_id: str, step: int, failed: int) -> None:
@@ -266,9 +284,14 @@ class Trainer:
                 release_step_episodes_sync(s, run_id, step)
 
     def _prune(self, run_id: str, newest: int, keep: int) -> None:
-        """Delete checkpoints older than the newest `keep` (version 0 is the base model)."""
+        """Delete checkpoints but the newest `keep` saved ones (version 0 is the base model),
+        and the offers of every version but the newest."""
         root = self.settings.checkpoints_dir / run_id
-        for v in range(1, newest - keep + 1):
+        kept = set([v for v in range(newest, 0, -1) if saved(root / f"v{v}")][:keep])
+        for v in range(1, newest):
+            offer_path(root / f"v{v}").unlink(missing_ok=True)
+            if v in kept:
+                continue
             shutil.rmtree(root / f"v{v}", ignore_errors=True)
             shutil.rmtree(root / "optimizer-fsdp" / f"v{v}", ignore_errors=True)
 

@@ -28,6 +28,7 @@ from inference.backend import AdapterBackend, Backend
 from inference.chat_template import ChatTemplate
 from inference.lora_view import AdapterView
 from inference.replicas import ReplicaConfig, ReplicaSet
+from inference.weight_sync import weights_source
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +218,8 @@ class BackendPool:
                         break
                     except Exception as exc:  # a down replica: ask the next one
                         logger.warning("%s: %s", be, exc)
-            if version > 0 and ckpt is not None:
-                await replicas.load_weights(ckpt, version)
+            if version > 0 and ckpt is not None:  # from the trainer, if it offers the version
+                await replicas.load_weights(weights_source(ckpt, version), version)
         except BaseException:
             await replicas.close()
             raise

@@ -66,6 +66,12 @@ class RunService:
                     f"{', '.join(missing)}",
                     param="config.lora_target_modules",
                 )
+        if cfg.weight_sync == "collective" and body.backend not in registry.remote_names():
+            raise InvalidRequest(
+                f"config.weight_sync: 'collective' sends weights to inference servers: "
+                f"it needs backend {' or '.join(registry.remote_names())}",
+                param="config.weight_sync",
+            )
         if body.replicas and body.backend not in registry.remote_names():
             kinds = " or ".join(registry.remote_names())
             raise InvalidRequest(f"replicas need backend {kinds}", param="replicas")

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.services.backends import BackendPool, RunServing
 from gateway.services.batch_policy import BatchConfig, BatchDecision, Verdict, select_batch
+from gateway.services.leader import AdvisoryLockLeader, SoleLeader
 from gateway.store.episodes import (
     apply_batch_decision,
     batch_snapshot,
@@ -24,6 +25,8 @@ from gateway.store.models import Run, TrainStep, as_utc
 from gateway.store.runs import active_run_ids, checkpoint_of, claim_signature, lock_run_for_claim
 from gateway.store.status import StepStatus
 from gateway.store.steps import delete_step, step_busy, step_in_flight
+from inference import registry
+from inference.weight_sync import weights_source
 from trainer.config import RunConfig
 from trainer.submit import submit_train_step
 
@@ -45,6 +48,9 @@ class TrainingScheduler:
     passes skip the full read for up to `full_scan_s`. New rewards, a new
     version or a resumed run change it and are acted on at the next pass; what
     only time changes (episode expiry, group timeouts) waits at most `full_scan_s`.
+
+    Only the leader among the gateway processes sharing the store schedules
+    (`gateway.services.leader`); in the others `maybe_schedule` does nothing.
     """
 
     def __init__(
@@ -53,8 +59,10 @@ class TrainingScheduler:
         celery: Celery,
         step_timeout_s: float = 1800.0,
         full_scan_s: float = 2.0,
+        leader: SoleLeader | AdvisoryLockLeader | None = None,
     ) -> None:
         self.sessions = sessions
+        self.leader = leader or SoleLeader()
         self.celery = celery
         self.step_timeout_s = step_timeout_s
         self.full_scan_s = full_scan_s
@@ -63,6 +71,8 @@ class TrainingScheduler:
         self.full_passes = 0  # a figure for tests: passes that read the whole batch
 
     async def maybe_schedule(self, run_id: str) -> int | None:
+        if not self.leader.is_leader:
+            return None  # another gateway process schedules
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             try:
@@ -206,6 +216,9 @@ class WeightSync:
     (`gateway.services.backends`): its `load_weights` is `load_adapter` of the
     run's adapter only, with the same ordering; the base and every other run's
     adapter are untouched.
+
+    Every gateway process runs its own `WeightSync` on its own backends; only
+    the leader's loop also schedules training (`gateway.services.leader`).
     """
 
     def __init__(
@@ -234,17 +247,21 @@ class WeightSync:
                 return
             target = run.current_version
             ckpt = await checkpoint_of(s, run_id, target)
+            remote = registry.get(run.backend).remote
         if ckpt is None:
             return
-        await serving.backend.load_weights(Path(ckpt), target)
+        # a remote run's trainer may offer the version over a collective (weight_sync)
+        source = weights_source(Path(ckpt), target) if remote else Path(ckpt)
+        await serving.backend.load_weights(source, target)
         logger.info("run %s now serves version %d", run_id, target)
 
     async def run_forever(self) -> None:
         while True:
             try:
                 await self.sync_once()
-                for run_id in await self.scheduler.active_runs():
-                    await self.scheduler.maybe_schedule(run_id)
+                if self.scheduler.leader.is_leader:
+                    for run_id in await self.scheduler.active_runs():
+                        await self.scheduler.maybe_schedule(run_id)
             except asyncio.CancelledError:
                 raise
             except Exception:

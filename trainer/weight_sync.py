@@ -1,0 +1,330 @@
+"""The trainer's side of `weight_sync: collective`: keep each run's newest weights, send on request.
+
+`WeightServer` holds, per run, a snapshot of the newest version's full
+Hugging Face weights (CPU tensors the next step cannot touch) and answers
+`POST /runs/{run_id}/transfers {"version", "receivers"}` from the gateway:
+it opens a gloo rendezvous (`inference.weight_wire.rlgate_weight_wire`),
+answers it, and broadcasts the snapshot as rank 0 once the receivers join.
+
+Ordering contract (the whole sequence: docs/weight-sync.md):
+
+- a snapshot is published *before* the version is committed to the store,
+  and its offer file (`inference.weight_sync.offer_path`) is written before
+  that commit too, so the gateway never sees a version it cannot fetch;
+- the server keeps only the newest version of a run; a request for any
+  other version gets 409, and the gateway then loads that version from disk
+  if it was saved, or waits for the next one: a server never gets a version
+  other than the one it asked for (the plan carries the version and the
+  receiver checks it);
+- a transfer reads the snapshot it started with: publishing the next
+  version meanwhile replaces the run's entry, not the tensors being sent.
+
+`StepWeights` decides, per step of an in-process engine, whether the
+checkpoint is written (`disk`: every version; `collective`: every
+`save_every_steps` versions) and publishes the snapshot; it also writes the
+versions still unsaved on pause, stop and worker shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from inference.weight_sync import offer_path, saved
+from inference.weight_wire.rlgate_weight_wire import Rendezvous, open_store, send_weights
+from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_PATH = re.compile(r"^/runs/([A-Za-z0-9_.-]+)/transfers$")
+TIED = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+class VersionGone(LookupError):
+    """The weight server holds another version of the run (or none)."""
+
+
+def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of `model`'s Hugging Face weights (a tied head is sent once, as the
+    embedding: vLLM's reload skips tied weights)."""
+    state = model.state_dict()
+    head, emb = (state.get(n) for n in TIED)
+    if head is not None and emb is not None and head.data_ptr() == emb.data_ptr():
+        state.pop(TIED[0])
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
+    """An FSDP engine's full weights gathered to global rank 0 (None on the other ranks), as
+    CPU copies. Collective: every rank of the group calls it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(engine.policy, options=opts)  # empty off rank 0
+    if dist.get_rank() != 0:
+        return None
+    state = {k.removeprefix("lm."): v for k, v in state.items()}
+    if getattr(engine.policy.lm.config, "tie_word_embeddings", False):
+        state.pop(TIED[0], None)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def write_offer(checkpoint_dir: Path, url: str, version: int) -> Path:
+    """The offer of `version` next to its checkpoint directory (atomically)."""
+    path = offer_path(Path(checkpoint_dir))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"url": url, "version": version}))
+    tmp.replace(path)
+    return path
+
+
+def save_due(cfg: RunConfig, version: int) -> bool:
+    """Whether version `version`'s checkpoint is written when it is trained."""
+    return cfg.weight_sync == "disk" or version % cfg.save_every_steps == 0
+
+
+class WeightServer:
+    """Per run, the newest version's weights, sent to inference servers on request (docstring)."""
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+        self.host = host
+        self.timeout_s = timeout_s  # a receiver that never joins frees its transfer after this
+        self._snapshots: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self.transfers: list[dict[str, Any]] = []  # finished transfers, newest last (figures)
+        self._httpd = ThreadingHTTPServer((host, 0), _Handler)
+        self._httpd.daemon_threads = True
+        self._httpd.owner = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="weight-server", daemon=True
+        )
+        self._thread.start()
+        logger.info("weight server at %s", self.url)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self._httpd.server_address[1]}"
+
+    def url_for(self, run_id: str) -> str:
+        """What the offer file names: the run's transfers endpoint is `{this}/transfers`."""
+        return f"{self.url}/runs/{run_id}"
+
+    def publish(self, run_id: str, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Make `state` (a copy no step will change) the run's newest version."""
+        with self._lock:
+            self._snapshots[run_id] = (version, state)
+
+    def version(self, run_id: str) -> int | None:
+        with self._lock:
+            entry = self._snapshots.get(run_id)
+        return None if entry is None else entry[0]
+
+    def forget(self, run_id: str) -> None:
+        with self._lock:
+            self._snapshots.pop(run_id, None)
+
+    def open(self, run_id: str, version: int, receivers: int) -> Rendezvous:
+        """Open a transfer of the run's `version` to `receivers` ranks; sending starts at once
+        in a thread of its own and waits for them (up to `timeout_s`)."""
+        with self._lock:
+            entry = self._snapshots.get(run_id)
+        if entry is None or entry[0] != version:
+            have = None if entry is None else entry[0]
+            raise VersionGone(f"run {run_id}: v{version} asked, v{have} held")
+        store, rdv = open_store(self.host, receivers, version, self.timeout_s)
+        threading.Thread(
+            target=self._send, args=(run_id, store, rdv, entry[1]), name="weight-send", daemon=True
+        ).start()
+        return rdv
+
+    def _send(self, run_id: str, store: Any, rdv: Rendezvous, state: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = send_weights(store, rdv, state, self.timeout_s)
+        except Exception:
+            logger.exception("run %s: transfer of v%d failed", run_id, rdv.version)
+            return
+        took = time.perf_counter() - t0
+        self.transfers.append(
+            {"run_id": run_id, "version": rdv.version, "bytes": nbytes, "seconds": took}
+        )
+        logger.info(
+            "run %s: v%d sent to %d receivers (%d bytes, %.2fs)",
+            run_id, rdv.version, rdv.world_size - 1, nbytes, took,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ThreadingHTTPServer
+
+    def do_GET(self) -> None:
+        self._answer(200 if self.path == "/health" else 404, {})
+
+    def do_POST(self) -> None:
+        match = TRANSFER_PATH.match(self.path)
+        if match is None:
+            self._answer(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            version, receivers = int(body["version"]), int(body["receivers"])
+            if receivers < 1:
+                raise ValueError("receivers must be at least 1")
+        except (ValueError, KeyError, TypeError) as exc:
+            self._answer(400, {"error": f"bad transfer request: {exc}"})
+            return
+        try:
+            rdv = self.server.owner.open(match.group(1), version, receivers)  # type: ignore[attr-defined]
+        except VersionGone as exc:
+            self._answer(409, {"error": str(exc)})
+            return
+        self._answer(200, rdv.to_json())
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        logger.debug("weight server: " + fmt, *args)
+
+
+@dataclass
+class Unsaved:
+    """A version trained and offered but not yet written to its checkpoint directory."""
+
+    version: int
+    out_dir: Path
+    save: Callable[[], None]  # writes it (the engine still holds exactly this version)
+
+
+@dataclass
+class StepWeights:
+    """After each in-process step: write the checkpoint when due, offer the weights if
+    collective; write what is still unsaved when asked (pause, stop, worker shutdown)."""
+
+    host: str = "127.0.0.1"
+    server: WeightServer | None = None
+    unsaved: dict[str, Unsaved] = field(default_factory=dict)
+    locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _watcher: threading.Thread | None = None
+
+    def lock(self, run_id: str) -> threading.Lock:
+        """Held while the run's engine steps or saves (the pause watcher saves from a thread)."""
+        return self.locks.setdefault(run_id, threading.Lock())
+
+    def after_step(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        version: int,
+        out_dir: Path,
+        save: Callable[[], None],
+        state: Callable[[], dict[str, torch.Tensor]],
+    ) -> dict[str, float]:
+        """`version` was just trained: save and/or offer it. Returns the step's figures."""
+        t0 = time.perf_counter()
+        due = save_due(cfg, version)
+        if due:
+            save()
+        t1 = time.perf_counter()
+        if cfg.weight_sync == "collective":
+            if self.server is None:
+                self.server = WeightServer(self.host)
+            self.server.publish(run_id, version, state())
+            write_offer(out_dir, self.server.url_for(run_id), version)
+            if due:
+                self.unsaved.pop(run_id, None)
+            else:
+                self.unsaved[run_id] = Unsaved(version, out_dir, save)
+        return {"saved": float(due), "save_s": t1 - t0, "offer_s": time.perf_counter() - t1}
+
+    def save_unsaved(self, run_id: str) -> int | None:
+        """Write the run's unsaved version, if any; returns it. Takes the run's lock."""
+        with self.lock(run_id):
+            entry = self.unsaved.pop(run_id, None)
+            if entry is None or saved(entry.out_dir):
+                return None
+            entry.save()
+        logger.info("run %s: saved v%d (it was only offered)", run_id, entry.version)
+        return entry.version
+
+    def watch(self, run_active: Callable[[str], bool], every_s: float = 2.0) -> None:
+        """Save a run's unsaved version once it no longer trains (paused, stopped), from a
+        thread checking every `every_s`; `close` stops it."""
+
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                for run_id in list(self.unsaved):
+                    try:
+                        if not run_active(run_id):
+                            self.save_unsaved(run_id)
+                    except Exception:
+                        logger.exception("run %s: saving its unsaved version failed", run_id)
+
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=loop, name="unsaved-watch", daemon=True)
+            self._watcher.start()
+
+    def forget(self, run_id: str) -> None:
+        """The run's engine is gone (a failed step): nothing of it can be saved or sent."""
+        self.unsaved.pop(run_id, None)
+        if self.server is not None:
+            self.server.forget(run_id)
+
+    def close(self) -> None:
+        """Worker shutdown: write every unsaved version, stop serving."""
+        self._stop.set()
+        for run_id in list(self.unsaved):
+            try:
+                self.save_unsaved(run_id)
+            except Exception:
+                logger.exception("run %s: saving its unsaved version failed", run_id)
+        if self.server is not None:
+            self.server.close()
+
+
+def newest_saved(session: Any, run_id: str, version: int) -> Any:
+    """The newest `PolicyVersion` at or below `version` whose checkpoint is on disk, or None.
+
+    After a crash the versions that were only offered are gone: a fresh engine
+    starts from this one and keeps counting from `version` (docs/weight-sync.md).
+    """
+    from sqlalchemy import select
+
+    from gateway.store.models import PolicyVersion
+
+    stmt = (
+        select(PolicyVersion)
+        .where(PolicyVersion.run_id == run_id, PolicyVersion.version <= version)
+        .order_by(PolicyVersion.version.desc())
+    )
+    for pv in session.execute(stmt).scalars():
+        if pv.version == 0 or saved(Path(pv.checkpoint_path)):
+            if pv.version != version:
+                logger.warning(
+                    "run %s: v%d was never saved; its trainer starts from v%d's weights",
+                    run_id, version, pv.version,
+                )  # fmt: skip
+            return pv
+    return None
