@@ -9,10 +9,14 @@ reports is the one that produced all its tokens.
 LoRA adapters (`AdapterBackend`): many adapters on the one base model, each
 request naming its own (`GenerateRequest.adapter`); a batch mixes them row by
 row (`inference.lora.AdapterBank`). `load_adapter` reads the adapter off the
-model thread, then queues its swap like `load_weights`: the batch generating
-finishes with the old adapter, and the swap replaces that one adapter only.
-A row reports its adapter's version (the base model's `version` when it
-names none); a request naming an adapter that is not loaded fails alone.
+model thread and puts it in the bank at once, without waiting for the batch
+that is generating: a batch takes its adapters from one snapshot when it
+starts, so that batch finishes with the old adapter and the next one serves
+the new (the same contract, one adapter only, and no wait behind another
+run's batch). Only an adapter's first load, which hooks its modules, is
+queued to the model thread like `load_weights`. A row reports its adapter's
+version (the base model's `version` when it names none); a request naming an
+adapter that is not loaded fails alone.
 """
 
 from __future__ import annotations
@@ -81,9 +85,10 @@ class _Swap:
 
 
 @dataclass
-class _AdapterSwap:
-    name: str
-    adapter: Adapter | None  # None: unload
+class _AddHooks:
+    """Hook these modules (an adapter's first load), between batches."""
+
+    modules: list[str]
     future: Future
 
 
@@ -128,7 +133,7 @@ class LocalBackend:
         self._adapters = AdapterBank(self.model)
         self.threads = threads
         self.torch_threads: int | None = None  # what the model thread runs on, once started
-        self._queue: queue.Queue[_Job | _Swap | _AdapterSwap | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | _Swap | _AddHooks | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
         self._closed = False
         self._thread.start()
@@ -160,14 +165,23 @@ class LocalBackend:
     async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
         try:
             adapter = await asyncio.to_thread(
-                read_adapter, Path(adapter_dir), self.model, version, self.device
+                read_adapter, Path(adapter_dir), self._adapters.linears, version, self.device
             )
         except (AdapterError, OSError) as exc:
             raise BackendError(f"adapter {name!r} not loaded: {exc}") from exc
-        await asyncio.wrap_future(self._submit(_AdapterSwap(name, adapter, Future())))
+        unhooked = self._adapters.unhooked(adapter)
+        if unhooked:
+            await asyncio.wrap_future(self._submit(_AddHooks(unhooked, Future())))
+        self._adapters.put(name, adapter)
+        logger.info(
+            "adapter %s now serves version %d (%.1f MB)", name, version, adapter.nbytes / 1e6
+        )
 
     async def unload_adapter(self, name: str) -> None:
-        await asyncio.wrap_future(self._submit(_AdapterSwap(name, None, Future())))
+        if self._closed:
+            raise BackendError("local backend is closed")
+        self._adapters.pop(name)
+        logger.info("adapter %s unloaded", name)
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._closed
@@ -178,7 +192,7 @@ class LocalBackend:
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join, 30)
 
-    def _submit(self, item: _Job | _Swap | _AdapterSwap) -> Future:
+    def _submit(self, item: _Job | _Swap | _AddHooks) -> Future:
         if self._closed:
             raise BackendError("local backend is closed")
         if isinstance(item, _Job) and self._queue.qsize() >= self.max_pending:
@@ -203,7 +217,7 @@ class LocalBackend:
                 self._swap(item)
                 continue
             batch = [item]
-            deferred: list[_Swap | _AdapterSwap | None] = []
+            deferred: list[_Swap | _AddHooks | None] = []
             try:
                 while len(batch) < self.max_batch_size:
                     nxt = self._queue.get(timeout=self.batch_wait_s)
@@ -220,9 +234,11 @@ class LocalBackend:
                     return
                 self._swap(d)
 
-    def _swap(self, swap: _Swap | _AdapterSwap) -> None:
-        if isinstance(swap, _AdapterSwap):
-            self._swap_adapter(swap)
+    def _swap(self, swap: _Swap | _AddHooks) -> None:
+        if isinstance(swap, _AddHooks):
+            if swap.future.set_running_or_notify_cancel():
+                self._adapters.add_hooks(swap.modules)
+                swap.future.set_result(None)
         elif swap.future.set_running_or_notify_cancel():
             try:
                 from safetensors.torch import load_file
@@ -242,31 +258,16 @@ class LocalBackend:
                 logger.exception("weight load failed")
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
 
-    def _swap_adapter(self, swap: _AdapterSwap) -> None:
-        if not swap.future.set_running_or_notify_cancel():
-            return
-        if swap.adapter is None:
-            self._adapters.pop(swap.name)
-            logger.info("adapter %s unloaded", swap.name)
-        else:
-            self._adapters.put(swap.name, swap.adapter)
-            logger.info(
-                "adapter %s now serves version %d (%.1f MB)",
-                swap.name,
-                swap.adapter.version,
-                swap.adapter.nbytes / 1e6,
-            )
-        swap.future.set_result(None)
-
     def _run_batch(self, jobs: list[_Job]) -> None:
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-        for j in [j for j in jobs if self._unknown_adapter(j.request)]:
+        loaded = self._adapters.snapshot({j.request.adapter for j in jobs if j.request.adapter})
+        for j in [j for j in jobs if j.request.adapter and j.request.adapter not in loaded]:
             j.future.set_exception(BackendError(f"adapter {j.request.adapter!r} is not loaded"))
             jobs.remove(j)
         if not jobs:
             return
         try:
-            results = self._generate_batch(jobs)
+            results = self._generate_batch(jobs, loaded)
         except Exception as exc:
             logger.exception("batch generation failed")
             for j in jobs:
@@ -275,21 +276,13 @@ class LocalBackend:
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(r)
 
-    def _unknown_adapter(self, request: GenerateRequest) -> bool:
-        return request.adapter is not None and self._adapters.version(request.adapter) is None
-
-    def _row_version(self, request: GenerateRequest) -> int:
-        if request.adapter is None:
-            return self._version
-        return self._adapters.adapters[request.adapter].version
-
     @torch.no_grad()
-    def _generate_batch(self, jobs: list[_Job]) -> list[GenerateResult]:
+    def _generate_batch(self, jobs: list[_Job], loaded: dict[str, Adapter]) -> list[GenerateResult]:
         """Left-padded batched decoding with a KV cache; each row samples with its own params
-        and its own adapter."""
-        requests = [j.request for j in jobs]
-        versions = [self._row_version(r) for r in requests]
-        with self._adapters.routing([r.adapter for r in requests]):
+        and its own adapter (from `loaded`, the bank's snapshot for this batch)."""
+        rows = [None if j.request.adapter is None else loaded[j.request.adapter] for j in jobs]
+        versions = [self._version if a is None else a.version for a in rows]
+        with self._adapters.routing(rows):
             return self._decode(jobs, versions)
 
     def _decode(self, jobs: list[_Job], versions: list[int]) -> list[GenerateResult]:

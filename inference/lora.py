@@ -30,7 +30,8 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,34 +75,55 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, as views into one copy of its data.
 
-    An adapter is hundreds of small tensors: `safetensors.torch.load_file`
-    spends about 20 us on each, which made reading a 10 MB rank-8 adapter
-    (10 ms) most of a LoRA hot swap. The format is an 8-byte little-endian
-    header length, a JSON header of `{name: {dtype, shape, data_offsets}}`
-    and the data: the data is read once into memory and each tensor is a view
-    of it.
+    An adapter is hundreds of small tensors, which makes per-tensor overhead
+    most of a LoRA hot swap: `safetensors.torch.load_file` spends about 20 us
+    on each, and slicing a tensor from Python about 10. The format is an
+    8-byte little-endian header length, a JSON header of `{name: {dtype,
+    shape, data_offsets}}` and the data. The data is read once, into memory
+    that is not zeroed first, and cut into every tensor by one `torch.split`.
     """
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-        raw = bytearray(os.fstat(f.fileno()).st_size - 8 - size)
-        f.readinto(raw)  # one copy of every tensor's bytes: the file may be pruned later
+        data = torch.empty(os.fstat(f.fileno()).st_size - 8 - size, dtype=torch.uint8)
+        if data.numel() and f.readinto(memoryview(data.numpy())) != data.numel():
+            raise AdapterError(f"{path}: the file is shorter than its header says")
+    # one copy of every tensor's bytes, so the file may be pruned later
     header.pop("__metadata__", None)
-    data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    out = {}
-    for name, meta in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
-        if dtype is None:
+    entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    cuts, end = [], 0
+    for name, meta in entries:
+        if meta["dtype"] not in _SAFETENSORS_DTYPES:
             raise AdapterError(f"{path}: {name} is {meta['dtype']}, not a float tensor")
-        start, end = meta["data_offsets"]
-        out[name] = data[start:end].view(dtype).view(meta["shape"])
-    return out
+        start, stop = meta["data_offsets"]
+        if start != end:
+            raise AdapterError(f"{path}: {name} does not follow the tensor before it")
+        cuts.append(stop - start)
+        end = stop
+    if end != data.numel():
+        raise AdapterError(f"{path}: the tensors do not fill the data")
+    return {
+        name: chunk.view(_SAFETENSORS_DTYPES[meta["dtype"]]).view(meta["shape"])
+        for (name, meta), chunk in zip(entries, torch.split(data, cuts), strict=True)
+    }
+
+
+def linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
+    """The model's Linear modules by name: what an adapter may target."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 def read_adapter(
-    adapter_dir: Path, model: nn.Module, version: int, device: torch.device | str = "cpu"
+    adapter_dir: Path,
+    model: nn.Module | Mapping[str, nn.Linear],
+    version: int,
+    device: torch.device | str = "cpu",
 ) -> Adapter:
-    """The adapter in `adapter_dir`, checked against `model`'s Linear modules."""
+    """The adapter in `adapter_dir`, checked against `model`'s Linear modules.
+
+    `model` may be those modules already listed (`linear_modules`), as the
+    backend's `AdapterBank` keeps them: listing them costs a walk of the model.
+    """
     adapter_dir = Path(adapter_dir)
     config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
@@ -113,24 +135,27 @@ def read_adapter(
         raise AdapterError(f"{adapter_dir}: adapters that train biases are not served")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"{adapter_dir}: per-module ranks or alphas are not served")
-    tensors = {k: v.to(device) for k, v in read_safetensors(weights_path).items()}
-    modules = dict(model.named_modules())
+    tensors = read_safetensors(weights_path)
+    modules = model if isinstance(model, Mapping) else linear_modules(model)
+    device = torch.device(device)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         stem, _, kind = key.removesuffix(".weight").rpartition(".")
         if kind not in ("lora_A", "lora_B"):
             raise AdapterError(f"{adapter_dir}: unexpected tensor {key}")
-        pairs.setdefault(stem.removeprefix(_PREFIX), {})[kind] = value.to(torch.float32)
+        if value.dtype != torch.float32 or value.device != device:
+            value = value.to(device, torch.float32)
+        pairs.setdefault(stem.removeprefix(_PREFIX), {})[kind] = value
     layers = {}
     for name, ab in pairs.items():
         module = modules.get(name)
-        if not isinstance(module, nn.Linear) or len(ab) != 2:
+        if module is None or len(ab) != 2:
             raise AdapterError(f"{adapter_dir}: {name} is not a Linear layer of the base model")
         a, b = ab["lora_A"], ab["lora_B"]
         rank = a.shape[0]
         if a.shape[1] != module.in_features or b.shape != (module.out_features, rank):
             raise AdapterError(f"{adapter_dir}: {name} shapes {tuple(a.shape)}, {tuple(b.shape)}")
-        layers[name] = LoraLayer(a.contiguous(), b.contiguous(), _scale(config, rank))
+        layers[name] = LoraLayer(a, b, _scale(config, rank))  # split views: contiguous
     if not layers:
         raise AdapterError(f"{adapter_dir}: the adapter has no LoRA layers")
     return Adapter(layers, version)
@@ -182,13 +207,22 @@ def _scale(config: dict, rank: int) -> float:
 class AdapterBank:
     """The adapters served on one base model, and the hooks that apply them per row.
 
-    Not thread-safe by itself: the local backend's one model thread calls
-    `routing` and `put`/`pop` between batches (its ordering contract).
+    Threads: `add_hooks` changes the model's modules and must run while no
+    forward does (the local backend's model thread, between batches). `put`,
+    `pop` and `snapshot` take one lock and may run on any thread: a batch
+    routes the adapters of one `snapshot`, taken when it starts, so a swap
+    while a batch runs serves from the next batch on, and every row of a batch
+    runs one version of its adapter from its first token to its last. A hook
+    stays on its module once added (an unloaded adapter's modules cost one
+    dict lookup per forward while other adapters are served, nothing when
+    none are): taking it off would need the model thread again.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.linears = linear_modules(model)  # listed once: walking the model costs ~1 ms
         self.adapters: dict[str, Adapter] = {}
+        self._lock = threading.Lock()
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         # during a batch: per adapter in it, (adapter, the row indices that use it)
         self._rows: list[tuple[Adapter, torch.Tensor | None]] = []  # None: every row
@@ -197,42 +231,53 @@ class AdapterBank:
         adapter = self.adapters.get(name)
         return None if adapter is None else adapter.version
 
+    def unhooked(self, adapter: Adapter) -> list[str]:
+        """The modules `adapter` targets that have no hook yet (`add_hooks` them first)."""
+        return [m for m in adapter.layers if m not in self._hooks]
+
+    def add_hooks(self, module_names: Sequence[str]) -> None:
+        """Hook these modules; only while no forward runs."""
+        for name in module_names:
+            if name not in self._hooks:
+                self._hooks[name] = self.linears[name].register_forward_hook(self._hook(name))
+
     def put(self, name: str, adapter: Adapter) -> None:
-        """Serve `adapter` as `name` from the next batch on (replacing any before it)."""
-        modules = dict(self.model.named_modules())
-        for module_name in adapter.layers:
-            if module_name not in self._hooks:
-                self._hooks[module_name] = modules[module_name].register_forward_hook(
-                    self._hook(module_name)
-                )
-        self.adapters[name] = adapter
+        """Serve `adapter` as `name` from the next batch on (replacing any before it).
+
+        Hooks it still lacks are added here: where a forward may be running,
+        `add_hooks` them on the model's thread first.
+        """
+        self.add_hooks(self.unhooked(adapter))
+        with self._lock:
+            self.adapters[name] = adapter
 
     def pop(self, name: str) -> Adapter | None:
-        """Stop serving `name`; the hooks of modules no adapter targets any more go too."""
-        adapter = self.adapters.pop(name, None)
-        live = {m for a in self.adapters.values() for m in a.layers}
-        for module_name in list(self._hooks):
-            if module_name not in live:
-                self._hooks.pop(module_name).remove()
-        return adapter
+        """Stop serving `name` from the next batch on."""
+        with self._lock:
+            return self.adapters.pop(name, None)
+
+    def snapshot(self, names: Iterable[str]) -> dict[str, Adapter]:
+        """The adapters of `names` that are loaded now (one consistent view for one batch)."""
+        with self._lock:
+            return {n: self.adapters[n] for n in names if n in self.adapters}
 
     @contextmanager
-    def routing(self, row_adapters: Sequence[str | None]) -> Iterator[None]:
-        """Apply adapter `row_adapters[i]` to row i (None: the base model) inside the block."""
-        rows: dict[str, list[int]] = {}
-        for i, name in enumerate(row_adapters):
-            if name is not None:
-                rows.setdefault(name, []).append(i)
+    def routing(self, rows: Sequence[Adapter | None]) -> Iterator[None]:
+        """Apply adapter `rows[i]` to row i (None: the base model) inside the block."""
+        by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, adapter in enumerate(rows):
+            if adapter is not None:
+                by_adapter.setdefault(id(adapter), (adapter, []))[1].append(i)
         device = next(self.model.parameters()).device
         self._rows = [
             # every row on one adapter (one run's batch): no gather and scatter needed
             (
-                self.adapters[name],
+                adapter,
                 None
-                if len(idx) == len(row_adapters)
+                if len(idx) == len(rows)
                 else torch.tensor(idx, dtype=torch.long, device=device),
             )
-            for name, idx in rows.items()
+            for adapter, idx in by_adapter.values()
         ]
         try:
             yield

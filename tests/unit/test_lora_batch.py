@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_a_batch_forward_equals_each_row_alone_with_peft(
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
-    with torch.no_grad(), bank.routing(rows):
+    loaded = bank.snapshot(n for n in rows if n is not None)
+    with torch.no_grad(), bank.routing([None if n is None else loaded[n] for n in rows]):
         mixed = model(input_ids=ids, attention_mask=mask).logits
     with torch.no_grad():  # outside `routing` the hooks add nothing: the base model
         plain = model(input_ids=ids, attention_mask=mask).logits
@@ -175,6 +177,37 @@ async def test_a_swap_replaces_one_adapter_and_unload_fails_only_its_requests(
     with pytest.raises(BackendError, match="not loaded"):
         await answer("run_a")
     assert await answer("run_b") == b1 and await answer(None) == base
+
+
+async def test_a_swap_during_a_batch_returns_at_once_and_serves_from_the_next_batch(
+    backend: LocalBackend, adapters: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    """The batch that is decoding is held at its second token (a hook in the model); the
+    adapter swap must return while it is held, and the held batch must still finish on the
+    old adapter, every token of it."""
+    await backend.load_adapter("run_a", adapters["a"], 1)
+    request = GenerateRequest(prompts[0], _greedy(), adapter="run_a")
+    alone = (await backend.generate(request)).output_token_ids
+    held, release = threading.Event(), threading.Event()
+
+    def hold_decode(_module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
+        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():  # a decode step
+            held.set()
+            release.wait(60)
+
+    hook = backend.model.register_forward_pre_hook(hold_decode, with_kwargs=True)
+    try:
+        stream = backend.start_stream(request)
+        assert await asyncio.to_thread(held.wait, 60), "the batch never reached a decode step"
+        await asyncio.wait_for(backend.load_adapter("run_a", adapters["a2"], 2), 60)
+        assert backend.adapter_version("run_a") == 2
+    finally:
+        release.set()
+        hook.remove()
+    during = await stream.result()
+    assert (during.policy_version, during.output_token_ids) == (1, alone)
+    after = await backend.generate(request)
+    assert after.policy_version == 2 and after.output_token_ids != alone
 
 
 async def test_an_adapter_the_base_cannot_serve_is_refused_and_changes_nothing(
