@@ -41,6 +41,8 @@ from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
 from gateway.services.key_quotas import KeyQuotaAdmin
 from gateway.services.keys import KeyService
+from gateway.services.leader import LeaderCollector, make_leader
+from gateway.services.multiprocess import RemoteOnlyPool, RemoteOnlyRuns
 from gateway.services.overload import OverloadCollector, OverloadGuard, OverloadMiddleware
 from gateway.services.quotas import QuotaMiddleware
 from gateway.services.rewards import RewardService
@@ -69,15 +71,17 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             await asyncio.to_thread(upgrade, url)
         engine = make_async_engine(url)
         sessions = async_sessionmaker(engine, expire_on_commit=False)
-        pool = BackendPool(
+        shared = settings.gateway_workers > 1  # other processes serve this store too
+        pool = (RemoteOnlyPool if shared else BackendPool)(
             max_batch_size=settings.max_batch_size,
             sessions=sessions,
             replica_config=settings.replica_config(),
             threads=settings.threads().backend,
         )
         celery = make_celery(settings.queue())
+        leader = make_leader(url, settings.leader_interval_s)
         scheduler = TrainingScheduler(
-            sessions, celery, settings.step_timeout_s, settings.full_scan_s
+            sessions, celery, settings.step_timeout_s, settings.full_scan_s, leader
         )
         sync = WeightSync(sessions, pool, scheduler, settings.sync_interval_s)
         app.state.settings = settings
@@ -93,7 +97,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.chat = ChatService(sessions, pool, capture, admission)
         app.state.run_status = RunStatusService(sessions, admission)
         app.state.rewards = RewardService(sessions)
-        app.state.runs = RunService(
+        app.state.runs = (RemoteOnlyRuns if shared else RunService)(
             sessions, pool, settings.models_dir, local_trainer=not settings.broker_url
         )
         app.state.keys = KeyService(sessions)
@@ -102,6 +106,10 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         app.state.key_quotas = KeyQuotaAdmin(app.state.quotas, sessions)
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
+        app.state.leader = leader
+        app.state.metrics.registry.register(LeaderCollector(leader))
+        await leader.step()  # alone on its store, a process leads from its first request
+        leader_task = asyncio.create_task(leader.run_forever(), name="leader")
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
         adaptive = app.state.overload.adaptive
         lag_task = asyncio.create_task(
@@ -110,10 +118,11 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         try:
             yield
         finally:
-            for task in (sync_task, lag_task):
+            for task in (sync_task, lag_task, leader_task):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await leader.close()  # another process may lead at once
             await capture.close()  # answered completions are committed before the engine goes
             await close_admin_services(app.state)
             await pool.close()

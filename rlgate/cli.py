@@ -46,9 +46,12 @@ def _up(args: argparse.Namespace) -> int:
     from rlgate.stack import start_worker, stop
 
     update = {"data_dir": Path(args.data_dir)} if args.data_dir else {}
+    if args.workers is not None:
+        update["gateway_workers"] = args.workers
     settings = Settings().model_copy(update=update)
     try:  # fail early (or warn) about the admin credential, before the worker starts
         settings.resolved_admin_key(args.host)
+        settings.check_workers()
     except ValueError as exc:
         print(f"rlgate up: {exc}", file=sys.stderr)
         return 2
@@ -59,7 +62,7 @@ def _up(args: argparse.Namespace) -> int:
     # `finally` below stops the worker, so the handler it finds turns SIGTERM into an exit.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
-        serve(settings, args.host, args.port)
+        serve(settings, args.host, args.port, settings.gateway_workers)
     finally:
         if worker is not None:
             stop(worker)
@@ -177,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--data-dir", default=None, help="default: RLGATE_DATA_DIR or ./rlgate-data")
     up.add_argument("--no-worker", action="store_true", help="gateway only (workers run elsewhere)")
+    up.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes on the port (default: RLGATE_GATEWAY_WORKERS or 1); above 1 "
+        "needs PostgreSQL and runs on vllm/sglang servers (docs/deployment.md)",
+    )
     up.set_defaults(func=_up)
 
     worker = sub.add_parser("worker", help="a Celery worker for train steps")

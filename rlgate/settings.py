@@ -101,6 +101,18 @@ class Settings(BaseSettings):
     vllm_python: str = Field("", description="python of vLLM's own venv; empty: the cached one")
     sglang_python: str = Field("", description="python of SGLang's own environment")
     sync_interval_s: float = Field(0.5, gt=0, description="how often to look for new versions")
+    gateway_workers: int = Field(
+        1,
+        ge=1,
+        description="gateway processes sharing this store and port (rlgate up "
+        "--workers); above 1, runs need a remote backend (vllm, sglang)",
+    )
+    leader_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="gateway processes on PostgreSQL: how often each checks or "
+        "tries the lock of the one that schedules training (failover within this)",
+    )
     auth_cache_ttl_s: float = Field(
         1.0,
         ge=0,
@@ -243,6 +255,16 @@ class Settings(BaseSettings):
             sticky_slack=self.replica_sticky_slack,
             drain_timeout_s=self.replica_drain_timeout_s,
         )
+
+    def check_workers(self) -> None:
+        """Several gateway processes share one store: it must be a database server."""
+        if self.gateway_workers > 1 and not self.resolved_database_url.startswith("postgresql"):
+            raise ValueError(
+                f"gateway_workers = {self.gateway_workers} needs RLGATE_DATABASE_URL on "
+                "PostgreSQL: the processes share the store (and the embedded local backend "
+                "would load one model copy per process); set it, or run one process "
+                "(--workers 1)"
+            )
 
     def overload(self) -> OverloadConfig:
         from gateway.services.overload import OverloadConfig
