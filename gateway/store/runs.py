@@ -39,10 +39,14 @@ async def lock_run_for_claim(session: AsyncSession, run_id: str) -> Run | None:
     step done, episodes trained, in one transaction) lands entirely before
     the claim or entirely after it, never between two of its reads.
 
-    - PostgreSQL: `SELECT ... FOR UPDATE` on the run row. The trainer's
-      commits start on that row too (`advance_version_sync` for a finished
-      step, `lock_run_sync` for a failed one), so they wait for the claim;
-      under READ COMMITTED the claim's later statements then see no half of them.
+    - PostgreSQL: `SELECT ... FOR NO KEY UPDATE` on the run row. The
+      trainer's commits start on that row too (`advance_version_sync` for a
+      finished step, `lock_run_sync` for a failed one), so they wait for the
+      claim; under READ COMMITTED the claim's later statements then see no
+      half of them. Not `FOR UPDATE`: that also blocks the `FOR KEY SHARE`
+      lock every insert of an episode or completion takes on its run (the
+      foreign key), so every captured completion waited for the claim's
+      whole scan (issue #25: the streaming p99).
     - SQLite: `BEGIN IMMEDIATE` takes the database's write lock before the
       first read (the driver would otherwise start the transaction only at
       the first write, leaving the reads unsnapshotted); the trainer's write
@@ -52,7 +56,7 @@ async def lock_run_for_claim(session: AsyncSession, run_id: str) -> Run | None:
     """
     if session.get_bind().dialect.name == "sqlite":
         await session.execute(text("BEGIN IMMEDIATE"))
-    stmt = select(Run).where(Run.id == run_id).with_for_update()
+    stmt = select(Run).where(Run.id == run_id).with_for_update(key_share=True)
     return (await session.execute(stmt)).scalar_one_or_none()
 
 

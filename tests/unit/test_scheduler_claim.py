@@ -5,10 +5,11 @@ to resend it. A hook runs inside the claim, right after it read the run
 (where the old code's separate reads left a gap), and tries the trainer's
 commit of that step from an independent connection that does not wait for
 locks. It must be refused (SQLite: the claim's `BEGIN IMMEDIATE` holds the
-write lock; PostgreSQL: the claim's `FOR UPDATE` holds the run row), and go
-through once the claim is over. On the old code the commit lands between
-the claim's reads. The resend goes to a real Celery app on the embedded
-(filesystem) broker.
+write lock; PostgreSQL: the claim's `FOR NO KEY UPDATE` holds the run row),
+and go through once the claim is over. On the old code the commit lands
+between the claim's reads. The resend goes to a real Celery app on the
+embedded (filesystem) broker. A captured episode, whose foreign key only
+shares the run row's key, is never held up by a claim (PostgreSQL).
 """
 
 from __future__ import annotations
@@ -169,3 +170,27 @@ def test_postgres_claim_locks_the_run_row(pg_url: str, monkeypatch, tmp_path: Pa
     assert _state(pg_url) == (0, "running")
     assert trainer_commit() == "landed"
     assert _state(pg_url) == (1, "done")
+
+
+@pytest.mark.integration
+def test_postgres_claim_lets_captured_rows_in(pg_url: str, monkeypatch, tmp_path: Path) -> None:
+    """Inserting an episode (a capture) inside the claim does not wait for its lock."""
+    _seed(pg_url)
+
+    def capture() -> str:
+        with psycopg.connect(pg_url) as conn:
+            conn.execute("SET lock_timeout = '200ms'")
+            try:
+                conn.execute(
+                    "INSERT INTO episodes (run_id, id, group_id, status, created_at)"
+                    " VALUES ('run_c', 'ep-during-claim', '~ungrouped', 'open', now())"
+                )
+                conn.commit()
+                return "landed"
+            except psycopg.errors.LockNotAvailable:
+                conn.rollback()
+                return "blocked"
+
+    step, seen = _claim_with_hook(pg_url, monkeypatch, capture, tmp_path)
+    assert seen == ["landed"], "a capture waited for the scheduler's claim"
+    assert step == 0
