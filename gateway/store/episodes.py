@@ -242,37 +242,42 @@ class EpisodeSnapshot:
 
 
 async def batch_snapshot(session: AsyncSession, run_id: str) -> list[EpisodeSnapshot]:
-    """The run's open and rewarded episodes, for the claim (call it under the claim's lock)."""
-    stmt = select(
-        Episode.id, Episode.group_id, Episode.status, Episode.reward, Episode.created_at
-    ).where(Episode.run_id == run_id, Episode.status.in_(PENDING_EPISODE))
-    eps = (await session.execute(stmt)).all()
-    if not eps:
-        return []
-    calls = (
-        await session.execute(
-            select(
-                Completion.episode_id,
-                func.min(Completion.policy_version),
-                func.max(Completion.created_at),
-            )
-            .where(Completion.run_id == run_id, Completion.episode_id.in_([e.id for e in eps]))
-            .group_by(Completion.episode_id)
+    """The run's open and rewarded episodes, for the claim (call it under the claim's lock).
+
+    One statement, so one consistent read, joined to the episodes' completions rather than
+    naming every pending episode in an IN list: with thousands of open episodes that list
+    was most of the scan's time, and the scan holds the claim's lock while it runs.
+    """
+    stmt = (
+        select(
+            Episode.id,
+            Episode.group_id,
+            Episode.status,
+            Episode.reward,
+            Episode.created_at,
+            func.max(Completion.created_at),
+            func.min(Completion.policy_version),
         )
-    ).all()
-    oldest = {eid: version for eid, version, _ in calls}
-    last_call = {eid: as_utc(at) for eid, _, at in calls}
+        .outerjoin(
+            Completion,
+            and_(Completion.run_id == Episode.run_id, Completion.episode_id == Episode.id),
+        )
+        .where(Episode.run_id == run_id, Episode.status.in_(PENDING_EPISODE))
+        .group_by(Episode.id, Episode.group_id, Episode.status, Episode.reward, Episode.created_at)
+    )
     return [
         EpisodeSnapshot(
-            id=ep.id,
-            group_id=ep.group_id,
-            status=EpisodeStatus(ep.status),
-            reward=ep.reward,
-            created_at=as_utc(ep.created_at),
-            last_call_at=last_call.get(ep.id),
-            oldest_version=oldest.get(ep.id),
+            id=ep_id,
+            group_id=group_id,
+            status=EpisodeStatus(status),
+            reward=reward,
+            created_at=as_utc(created_at),
+            last_call_at=as_utc(last_call) if last_call is not None else None,
+            oldest_version=oldest,
         )
-        for ep in eps
+        for ep_id, group_id, status, reward, created_at, last_call, oldest in (
+            await session.execute(stmt)
+        ).all()
     ]
 
 
