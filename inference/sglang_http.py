@@ -26,6 +26,21 @@ Parameters", "Native APIs", "SGLang for RL Systems"; `io_struct.py`):
   load under the same name (which SGLang gives a fresh internal id, so
   nothing cached for the old weights is reused).
 
+* Weights over a collective (`weight_sync: collective`, docs/weight-sync.md),
+  between the same pause and continue: ``GET /get_server_info``
+  (``tp_size``: the ranks that join), then the trainer opens a transfer in
+  protocol "torch" (`inference.weight_wire.rlgate_weight_wire`), and
+  ``POST /init_weights_update_group`` (``master_address``, ``master_port``,
+  ``rank_offset``, ``world_size``, ``group_name``, ``backend``),
+  ``POST /update_weights_from_distributed`` (``names``, ``dtypes``,
+  ``shapes``, ``group_name``, ``flush_cache``, ``weight_version``) and
+  ``POST /destroy_weights_update_group`` (``group_name``), each answering
+  ``success`` and ``message``. Unlike rlgate's vLLM extension, SGLang loads
+  each tensor as it arrives: a transfer that fails half way leaves the
+  server between versions, so that failure takes the replica's load as
+  failed and the weights are reloaded from disk when the version was saved.
+  Tested only against a stand-in server here (tests/unit/test_sglang_collective.py).
+
 Hot swap follows `inference.http_backend.HttpBackend`'s ordering contract
 (including its drain timeout: stragglers are aborted, then the swap goes on).
 """
@@ -37,11 +52,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from inference.backend import BackendError
 from inference.http_backend import HttpBackend, Tokens
-from inference.http_common import json_body
+from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest
+from inference.weight_sync import CollectiveSource, open_transfer
 
 
 def generate_payload(request: GenerateRequest, stream: bool) -> dict[str, Any]:
@@ -133,6 +151,52 @@ class SGLangBackend(HttpBackend):
 
     async def _resume(self) -> None:
         await self._control("/continue_generation", json={})
+
+    async def _receive(self, source: CollectiveSource, version: int) -> None:
+        info = json_body(await self._get("/get_server_info"), "SGLang /get_server_info")
+        ranks = int(info.get("tp_size") or 1) if isinstance(info, dict) else 1
+        rdv, answer = await open_transfer(source, ranks, protocol="torch")
+        names, dtypes, shapes = (list(c) for c in zip(*answer["tensors"], strict=True))
+        group = {"group_name": rdv.group_name}
+        await self._checked(
+            "/init_weights_update_group",
+            {
+                "master_address": rdv.host,
+                "master_port": rdv.port,
+                "rank_offset": 1,
+                "world_size": rdv.world_size,
+                "backend": "gloo",
+                **group,
+            },
+        )
+        try:
+            await self._checked(
+                "/update_weights_from_distributed",
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "flush_cache": True,  # the prefix cache holds the old weights' KV
+                    "weight_version": str(version),
+                    **group,
+                },
+            )
+        finally:
+            with contextlib.suppress(BackendError):  # older servers keep the group: harmless
+                await self._checked("/destroy_weights_update_group", group)
+
+    async def _checked(self, path: str, body: dict[str, Any]) -> None:
+        """A control call whose answer must say `success`."""
+        resp = await self._control(path, json=body)
+        answer = json_body(resp, f"SGLang {path}") if resp.content else None
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise BackendError(f"SGLang {path} failed: {answer}")
+
+    async def _get(self, path: str) -> httpx.Response:
+        with transport_errors(f"{self.name} at {self.url}"):
+            resp = await self._client.get(path, timeout=self.config.control_timeout_s)
+        check_status(resp.status_code, resp.text, f"{self.name} GET {path}")
+        return resp
 
     async def _load_adapter(self, name: str, adapter_dir: Path, replace: bool) -> None:
         if replace:  # no in-place reload in SGLang: not atomic (HttpBackend forgets it on failure)

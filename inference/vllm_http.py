@@ -193,7 +193,7 @@ class VLLMBackend(HttpBackend):
             self._workers = len(json_body(resp, "vLLM /collective_rpc").get("results") or [])
             if not self._workers:
                 raise BackendError(f"vLLM at {self.url}: no worker answered /collective_rpc")
-        rdv = await open_transfer(source, self._workers)
+        rdv, _ = await open_transfer(source, self._workers)
         kwargs = {"rendezvous": json.dumps(rdv.to_json())}
         await self._control(
             "/collective_rpc", json={"method": "rlgate_receive_weights", "kwargs": kwargs}

@@ -74,14 +74,15 @@ def weights_source(checkpoint_dir: Path, version: int) -> Path | CollectiveSourc
 
 
 async def open_transfer(
-    source: CollectiveSource, receivers: int, timeout_s: float = 30.0
-) -> Rendezvous:
-    """Have the trainer open a transfer of `source.version` to `receivers` ranks.
+    source: CollectiveSource, receivers: int, protocol: str = "rlgate", timeout_s: float = 30.0
+) -> tuple[Rendezvous, dict]:
+    """Have the trainer open a transfer of `source.version` to `receivers` ranks: its
+    `Rendezvous` and the whole answer (protocol "torch", for SGLang, lists the tensors).
 
     Raises `BackendError` if the trainer is unreachable or no longer holds that version
     (it keeps only the newest: 409).
     """
-    body = {"version": source.version, "receivers": receivers}
+    body = {"version": source.version, "receivers": receivers, "protocol": protocol}
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             resp = await client.post(source.url.rstrip("/") + "/transfers", json=body)
@@ -92,4 +93,5 @@ async def open_transfer(
             f"trainer weight server {source.url} refused v{source.version}: "
             f"{resp.status_code} {resp.text[:300]}"
         )
-    return Rendezvous.from_json(resp.json())
+    answer = resp.json()
+    return Rendezvous.from_json(answer), answer

@@ -17,11 +17,14 @@ get SIGTERM, then SIGKILL, when this process dies, SIGKILL included), and
 each rank has PR_SET_PDEATHSIG on torchrun (`resident_rank.die_with_launcher`),
 since torchrun starts every rank in a session of its own.
 
-Weights without the disk (issue 26, item 3) fits here: the leader already
-holds the group's rank 0 side of the conversation, so a `Broadcast` command
-that makes every rank gather its shards and rank 0 broadcast them over a
-process group the inference servers have joined is one more message type;
-the group, its lifetime and its failure contract stay as they are.
+Weights without the disk (`weight_sync: collective`, docs/weight-sync.md):
+global rank 0 runs a weight server (its URL comes back in `Ready`); after
+each step the ranks gather the full weights to it and it offers them, and
+this side writes the version's offer file. A `Step` then writes the
+checkpoint only when told to (`save`); a version left unsaved is written by
+`SaveWeights` before the group is released (pause, stop, idle, worker
+shutdown). A crash loses it: the next group starts from the newest saved
+version (`trainer.weight_sync.newest_saved`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from trainer.batch import Sample
 from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples
 from trainer.resident_node import NodeSpec
 from trainer.resident_rank import SOCKET_ENV
+from trainer.weight_sync import write_offer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +98,9 @@ class ResidentGroup:
         self.world_size = world_size
         self.work = Path(tempfile.mkdtemp(prefix="rlgate-resident-"))
         self.version = init.version
+        self.run_id = init.run_id
         self.steps = 0
+        self.unsaved: proto.SaveWeights | None = None  # the current version, if not on disk
         self.last_used = time.monotonic()
         self.sock: socket.socket | None = None
         path = str(self.work / "leader.sock")
@@ -117,6 +123,7 @@ class ResidentGroup:
                 self.kill()
                 raise
         self.pids: list[int] = ready.pids
+        self.weight_url = ready.weight_url
         self.optimizer_resumed = ready.optimizer_resumed
         logger.info(
             "resident group of %d ranks (pids %s) at v%d in %s",
@@ -136,30 +143,44 @@ class ResidentGroup:
         tokenizer_dir: Path,
         timeout_s: float = 3600.0,
         optimizer_out: Path | None = None,
+        save: bool = True,
     ) -> dict[str, Any]:
-        """One step from `version` to `version + 1`, its checkpoint in `out_dir` (and AdamW's
-        state in `optimizer_out`, if given)."""
+        """One step from `version` to `version + 1`, its checkpoint in `out_dir` if `save`
+        (and AdamW's state in `optimizer_out`, if given); offered if the group offers."""
         path = write_samples(samples, self.work / "samples.pt")
+        out_dir = Path(out_dir).resolve()
         msg = proto.Step(
             str(path),
-            str(Path(out_dir).resolve()),
+            str(out_dir),
             str(tokenizer_dir),
             self.version,
             optimizer_out=str(optimizer_out) if optimizer_out is not None else None,
+            save=save,
         )
         done = self._call(msg, timeout_s, f"step from v{self.version}")
         self.version = int(done.metrics["version"])
         self.steps += 1
-        return done.metrics
+        self.unsaved = None if save else proto.SaveWeights(str(out_dir), str(tokenizer_dir))
+        if self.weight_url is not None:
+            write_offer(out_dir, f"{self.weight_url}/runs/{self.run_id}", self.version)
+        return {**done.metrics, "saved": float(save)}
+
+    def save_weights(self, timeout_s: float = 600.0) -> None:
+        """Write the current version's checkpoint if a step left it unsaved."""
+        if self.unsaved is not None:
+            self._call(self.unsaved, timeout_s, f"save of v{self.version}")
+            self.unsaved = None
 
     def save_optimizer(self, state_dir: Path, timeout_s: float = 600.0) -> None:
         """AdamW's sharded state for the current version, into `state_dir` (DCP)."""
         self._call(proto.SaveOptimizer(str(state_dir)), timeout_s, "optimizer save")
 
     def release(self, optimizer_dir: Path | None = None, timeout_s: float = 600.0) -> None:
-        """Save AdamW (when `optimizer_dir` is given) and stop the ranks; kill them on failure."""
+        """Write an unsaved version, save AdamW (when `optimizer_dir` is given) and stop the
+        ranks; kill them on failure."""
         try:
             if self.alive():
+                self.save_weights(timeout_s)
                 if optimizer_dir is not None:
                     self.save_optimizer(optimizer_dir, timeout_s)
                 self._call(proto.Shutdown(), timeout_s, "shutdown")

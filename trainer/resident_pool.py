@@ -6,7 +6,8 @@ Rules (docs/trainer.md, "Resident ranks"):
   version N and of the run's world size; otherwise the old group is released
   and a new one formed from version N's checkpoint (and AdamW's state saved
   for version N, if any).
-- **Release**, AdamW's state saved first: when the run is no longer active
+- **Release**, a version that was only offered (`weight_sync: collective`)
+  and AdamW's state saved first: when the run is no longer active
   (paused, stopped, failed), when the group has been idle `idle_s`, and when
   the worker shuts down. A reaper thread checks every few seconds; it never
   touches a group that is in a step. A run with `save_optimizer_state` also
@@ -78,12 +79,14 @@ class ResidentPool:
         threads_per_rank: int,
         timeout_s: float,
         every_step: bool = False,
+        save: bool = True,
     ) -> dict:
         """One step of `run_id` from `init.version` on its resident group (formed if needed).
 
         `optimizer_dir(version)`: where AdamW's state goes on release (and after every
         step when `every_step`). A failure kills the group and re-raises: the caller
-        fails the attempt.
+        fails the attempt. `save`: write the new version's checkpoint (else only offered;
+        written on release).
         """
         state = optimizer_dir(init.version + 1) if optimizer_dir and every_step else None
         while True:
@@ -92,7 +95,9 @@ class ResidentPool:
                 if self.slots.get(run_id) is not slot:
                     continue  # the reaper released it between the two lines above
                 try:
-                    return slot.group.step(samples, out_dir, tokenizer_dir, timeout_s, state)
+                    return slot.group.step(
+                        samples, out_dir, tokenizer_dir, timeout_s, state, save=save
+                    )
                 except BaseException:
                     self.discard(run_id)
                     raise

@@ -38,6 +38,7 @@ class Init:
     version: int
     reference_dir: str | None = None
     optimizer_in: str | None = None  # AdamW state saved for version N, if any
+    run_id: str = ""  # weight_sync collective: rank 0 offers the run's weights under this id
     op: str = "init"
 
 
@@ -48,6 +49,7 @@ class Ready:
     pids: list[int]  # every rank's pid, by global rank
     version: int
     optimizer_resumed: bool
+    weight_url: str | None = None  # weight_sync collective: rank 0's weight server
     op: str = "ready"
 
 
@@ -60,6 +62,7 @@ class Step:
     tokenizer_dir: str
     version: int  # N: a group at any other version refuses (a worker bug, not a retry)
     optimizer_out: str | None = None  # also save AdamW's state for N+1 here (DCP)
+    save: bool = True  # write N+1's checkpoint (weight_sync collective: only when due)
     op: str = "step"
 
 
@@ -69,6 +72,15 @@ class SaveOptimizer:
 
     state_dir: str
     op: str = "save_optimizer"
+
+
+@dataclass(frozen=True)
+class SaveWeights:
+    """Write the checkpoint of the group's current version (one a `Step` did not save)."""
+
+    out_dir: str
+    tokenizer_dir: str
+    op: str = "save_weights"
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,10 @@ class Done:
     op: str = "done"
 
 
-Message = Init | Ready | Step | SaveOptimizer | Shutdown | Done
+Message = Init | Ready | Step | SaveOptimizer | SaveWeights | Shutdown | Done
 MESSAGES: dict[str, type] = {
     cls.op: cls  # type: ignore[attr-defined]
-    for cls in (Init, Ready, Step, SaveOptimizer, Shutdown, Done)
+    for cls in (Init, Ready, Step, SaveOptimizer, SaveWeights, Shutdown, Done)
 }
 
 

@@ -40,6 +40,7 @@ from trainer.config import ParallelConfig, RunConfig
 from trainer.engine_base import Engine
 from trainer.engines import engine_class, torchrun_engine
 from trainer.launch import read_samples
+from trainer.weight_sync import WeightServer, distributed_hf_state
 
 SOCKET_ENV = "RLGATE_RESIDENT_SOCKET"  # set by the worker that owns the queue, on its node only
 INIT_KEY = "rlgate/resident/init"
@@ -85,12 +86,22 @@ def build_engine(init: proto.Init) -> Engine:
 
 
 class Rank:
-    """One rank's command loop; the leader also holds the worker's socket."""
+    """One rank's command loop; the leader also holds the worker's socket.
 
-    def __init__(self, engine: Engine, leader_rank: int, sock: socket.socket | None) -> None:
+    weight_sync collective: global rank 0 runs a `WeightServer`; after each
+    step every rank takes part in gathering the full weights to it, and it
+    offers them under the run's id (`trainer.weight_sync`).
+    """
+
+    def __init__(
+        self, engine: Engine, leader_rank: int, sock: socket.socket | None, run_id: str = ""
+    ) -> None:
         self.engine, self.leader_rank, self.sock = engine, leader_rank, sock
+        self.run_id = run_id
         self.commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.steps = 0  # steps this group has run: 1, 2, 3 ... while the model stays resident
+        collective = engine.cfg.weight_sync == "collective"
+        self.weights = WeightServer() if collective and dist.get_rank() == 0 else None
 
     def next_command(self) -> tuple[proto.Message, list | None]:
         """The leader's next command (and a Step's samples), the same on every rank."""
@@ -107,10 +118,13 @@ class Rank:
             proto.send(self.sock, msg)
 
     def serve(self) -> None:
-        pids: list[int | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(pids, os.getpid(), group=self.commands)
+        found: list = [None] * dist.get_world_size()
+        url = self.weights.url if self.weights is not None else None
+        dist.all_gather_object(found, (os.getpid(), url), group=self.commands)
+        pids = [pid for pid, _ in found]
         engine = self.engine
-        self.reply(proto.Ready(pids, engine.version, bool(engine.optimizer_resumed)))
+        ready = proto.Ready(pids, engine.version, bool(engine.optimizer_resumed), found[0][1])
+        self.reply(ready)
         while True:
             msg, samples = self.next_command()
             if isinstance(msg, proto.Step):
@@ -119,11 +133,19 @@ class Rank:
                 metrics = engine.step(samples)
                 if msg.optimizer_out is not None:
                     engine.save_optimizer(Path(msg.optimizer_out))
-                engine.save(Path(msg.out_dir), Path(msg.tokenizer_dir))
+                if msg.save:
+                    engine.save(Path(msg.out_dir), Path(msg.tokenizer_dir))
+                if engine.cfg.weight_sync == "collective":
+                    state = distributed_hf_state(engine)  # collective; None off rank 0
+                    if self.weights is not None and state is not None:
+                        self.weights.publish(self.run_id, engine.version, state)
                 self.steps += 1
                 engine.optimizer_resumed = True  # the next step starts from these moments
                 done = {**metrics, "version": engine.version, "group_steps": self.steps}
                 self.reply(proto.Done(done))
+            elif isinstance(msg, proto.SaveWeights):
+                engine.save(Path(msg.out_dir), Path(msg.tokenizer_dir))
+                self.reply(proto.Done({"version": engine.version}))
             elif isinstance(msg, proto.SaveOptimizer):
                 engine.save_optimizer(Path(msg.state_dir))
                 self.reply(proto.Done({"version": engine.version}))
@@ -153,7 +175,7 @@ def main() -> int:
     init = proto.decode(published["init"])
     engine = build_engine(init)
     try:
-        Rank(engine, published["leader"], sock).serve()
+        Rank(engine, published["leader"], sock, init.run_id).serve()
     finally:
         if sock is not None:
             with contextlib.suppress(OSError):

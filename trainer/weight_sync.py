@@ -2,9 +2,11 @@
 
 `WeightServer` holds, per run, a snapshot of the newest version's full
 Hugging Face weights (CPU tensors the next step cannot touch) and answers
-`POST /runs/{run_id}/transfers {"version", "receivers"}` from the gateway:
-it opens a gloo rendezvous (`inference.weight_wire.rlgate_weight_wire`),
-answers it, and broadcasts the snapshot as rank 0 once the receivers join.
+`POST /runs/{run_id}/transfers {"version", "receivers", "protocol"}` from
+the gateway: it opens a gloo rendezvous (`inference.weight_wire.rlgate_weight_wire`;
+protocol "rlgate" for rlgate's vLLM worker extension, "torch" for SGLang,
+whose answer also lists the tensors), answers it, and broadcasts the
+snapshot as rank 0 once the receivers join.
 
 Ordering contract (the whole sequence: docs/weight-sync.md):
 
@@ -34,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -42,13 +45,21 @@ import torch
 from torch import nn
 
 from inference.weight_sync import offer_path, saved
-from inference.weight_wire.rlgate_weight_wire import Rendezvous, open_store, send_weights
+from inference.weight_wire.rlgate_weight_wire import (
+    Rendezvous,
+    named_rendezvous,
+    open_store,
+    send_tensors,
+    send_weights,
+    tensor_list,
+)
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 TRANSFER_PATH = re.compile(r"^/runs/([A-Za-z0-9_.-]+)/transfers$")
 TIED = ("lm_head.weight", "model.embed_tokens.weight")
+PROTOCOLS = ("rlgate", "torch")  # rlgate's vLLM worker extension; SGLang
 
 
 class VersionGone(LookupError):
@@ -135,24 +146,35 @@ class WeightServer:
         with self._lock:
             self._snapshots.pop(run_id, None)
 
-    def open(self, run_id: str, version: int, receivers: int) -> Rendezvous:
+    def open(
+        self, run_id: str, version: int, receivers: int, protocol: str = "rlgate"
+    ) -> dict[str, Any]:
         """Open a transfer of the run's `version` to `receivers` ranks; sending starts at once
-        in a thread of its own and waits for them (up to `timeout_s`)."""
+        in a thread of its own and waits for them (up to `timeout_s`). Returns the answer:
+        the `Rendezvous`, and for protocol "torch" the tensors' names, dtypes and shapes."""
         with self._lock:
             entry = self._snapshots.get(run_id)
         if entry is None or entry[0] != version:
             have = None if entry is None else entry[0]
             raise VersionGone(f"run {run_id}: v{version} asked, v{have} held")
-        store, rdv = open_store(self.host, receivers, version, self.timeout_s)
+        state = entry[1]
+        if protocol == "torch":
+            rdv = named_rendezvous(self.host, receivers, version)
+            send = partial(send_tensors, rdv, state, "gloo", self.timeout_s)
+            answer = {**rdv.to_json(), "tensors": tensor_list(state)}
+        else:
+            store, rdv = open_store(self.host, receivers, version, self.timeout_s)
+            send = partial(send_weights, store, rdv, state, self.timeout_s)
+            answer = rdv.to_json()
         threading.Thread(
-            target=self._send, args=(run_id, store, rdv, entry[1]), name="weight-send", daemon=True
+            target=self._send, args=(run_id, rdv, send), name="weight-send", daemon=True
         ).start()
-        return rdv
+        return answer
 
-    def _send(self, run_id: str, store: Any, rdv: Rendezvous, state: dict) -> None:
+    def _send(self, run_id: str, rdv: Rendezvous, send: Callable[[], int]) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = send_weights(store, rdv, state, self.timeout_s)
+            nbytes = send()
         except Exception:
             logger.exception("run %s: transfer of v%d failed", run_id, rdv.version)
             return
@@ -184,17 +206,21 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
             version, receivers = int(body["version"]), int(body["receivers"])
+            protocol = str(body.get("protocol", "rlgate"))
             if receivers < 1:
                 raise ValueError("receivers must be at least 1")
+            if protocol not in PROTOCOLS:
+                raise ValueError(f"protocol must be one of {PROTOCOLS}")
         except (ValueError, KeyError, TypeError) as exc:
             self._answer(400, {"error": f"bad transfer request: {exc}"})
             return
         try:
-            rdv = self.server.owner.open(match.group(1), version, receivers)  # type: ignore[attr-defined]
+            owner = self.server.owner  # type: ignore[attr-defined]
+            answer = owner.open(match.group(1), version, receivers, protocol)
         except VersionGone as exc:
             self._answer(409, {"error": str(exc)})
             return
-        self._answer(200, rdv.to_json())
+        self._answer(200, answer)
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()

@@ -23,17 +23,27 @@ A transfer:
    out the tensors (views into the buckets). A transfer that fails half way
    therefore leaves the server's weights untouched: it never serves half of
    a version.
+
+SGLang's receiver (`/init_weights_update_group`,
+`/update_weights_from_distributed`) speaks another protocol, "torch": the
+group is formed the way RL trainers pair with it (torch's `tcp://`
+rendezvous on the sender's port, the store prefixed with the group's name,
+`_new_process_group_helper`), and each tensor is broadcast on its own, typed,
+in the order of the names the server was given (`join_named_group`,
+`send_tensors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import socket
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +62,7 @@ class Rendezvous:
     transfer_id: str
     world_size: int  # the sender (rank 0) and its receivers
     version: int
+    group_name: str = ""  # protocol "torch": the process group's name
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -64,6 +75,7 @@ class Rendezvous:
             transfer_id=str(raw["transfer_id"]),
             world_size=int(raw["world_size"]),
             version=int(raw["version"]),
+            group_name=str(raw.get("group_name") or ""),
         )
 
 
@@ -164,3 +176,70 @@ def _unpack(buckets: list[dict], bufs: list[torch.Tensor]) -> Iterator[tuple[str
         for name, dtype, shape, offset, nbytes in bucket["tensors"]:
             raw = buf[offset : offset + nbytes]
             yield name, raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+# --- protocol "torch": SGLang's update_weights_from_distributed
+
+
+def free_port(host: str) -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def named_rendezvous(host: str, receivers: int, version: int) -> Rendezvous:
+    """A rendezvous for `join_named_group` on a free port of `host` (rank 0 listens on it)."""
+    tid = uuid.uuid4().hex
+    return Rendezvous(host, free_port(host), tid, 1 + receivers, version, f"rlgate-{tid}")
+
+
+def join_named_group(rdv: Rendezvous, rank: int, backend: str, timeout_s: float) -> Any:
+    """A process group of its own, joined as SGLang's `init_weights_update_group` joins one."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{rdv.host}:{rdv.port}"
+    store, rank, world = next(rendezvous(url, rank, rdv.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(rdv.group_name, store)
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    group, _ = _new_process_group_helper(
+        world,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=rdv.group_name,
+        **{options: None},
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group
+
+
+def tensor_list(state: Mapping[str, torch.Tensor]) -> list[list]:
+    """(name, dtype, shape) of each tensor, in sending order: what SGLang is told to expect."""
+    return [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()]
+
+
+def send_tensors(
+    rdv: Rendezvous, state: Mapping[str, torch.Tensor], backend: str, timeout_s: float
+) -> int:
+    """Rank 0 of a named group: broadcast each tensor of `state` in order. Returns bytes sent."""
+    group = join_named_group(rdv, 0, backend, timeout_s)
+    sent = 0
+    try:
+        for t in state.values():
+            t = t.detach().contiguous()
+            dist.broadcast(t, src=0, group=group)
+            sent += t.numel() * t.element_size()
+    finally:
+        dist.destroy_process_group(group)
+    return sent
