@@ -10,6 +10,7 @@ The receiver here is this test process joining the transfer as rank 1
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +23,10 @@ from gateway.store.models import Run
 from inference.weight_sync import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, receive_weights
 from tests.integration.test_resident import BASE, _gone, _row, _seed, _trainer, _wait_released
+from trainer.batch import load_step_samples
 from trainer.config import RunConfig
+from trainer.engine import LocalEngine
+from trainer.weight_sync import hf_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,5 +93,32 @@ def test_resident_ranks_offer_every_version_and_save_every_second(
                 break
             time.sleep(0.1)
         _close(received["local", 3], load_file(local_v3 / "model.safetensors"), 0.0)
+    finally:
+        trainer.close()
+
+
+def test_a_crash_loses_only_the_unsaved_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The worker dies holding v1 unsaved: the next step starts from v0's weights (the newest
+    saved) and is still recorded as v1 -> v2; what it offers is exactly v0 plus that step."""
+    trainer = _trainer(tmp_path)
+    _seed(trainer, tiny_model_dir, LOCAL, "r", 2)
+    root = trainer.settings.checkpoints_dir / "r"
+    try:
+        trainer.train_step("r", 0)
+        assert not saved(root / "v1")
+    finally:
+        trainer.close()  # a clean stop writes v1 ...
+    shutil.rmtree(root / "v1")  # ... so take it away again: what a SIGKILL leaves
+
+    trainer = _trainer(tmp_path)
+    try:
+        trainer.train_step("r", 1)
+        assert _row(trainer, "r", 1).status == "done"
+        got = _receive(root / "v2", 2)
+        with trainer.sessions() as s:
+            samples, *_ = load_step_samples(s, "r", 1, LOCAL)
+        ref = LocalEngine(tiny_model_dir, 1, LOCAL)  # v0's weights, counted as v1
+        ref.step(samples)
+        _close(got, hf_state(ref.model), 0.0)
     finally:
         trainer.close()
