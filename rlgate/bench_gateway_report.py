@@ -99,8 +99,10 @@ def summary(
 
 def load_line(mode: str, name: str, m: dict[str, Any]) -> str:
     """One measured load, for the terminal: 2xx rate with the 429s and 5xx beside it."""
-    return (
-        f"{mode:6} {name:10} c={m['concurrency']:<4} 2xx {m['rps']:8.1f} req/s  "
+    head = f"{mode:6} {name:10} c={m['concurrency']:<4} 2xx {m['rps']:8.1f} req/s  "
+    if not m["answers"] and not m["errors"]:
+        return head + "no answer within the window (every request took longer)"
+    return head + (
         f"429 {m['status_429']:<6} 5xx {m['status_5xx']:<5} other errors "
         f"{m['errors'] - m['status_429'] - m['status_5xx']:<5} "
         f"p50 {m['p50_ms']:8.2f} ms  p99 {m['p99_ms']:8.2f} ms"

@@ -11,6 +11,7 @@ def level(c: int, rps: float, p50: float = 30.0, p99: float = 60.0, s429=0, s5xx
     return {
         "concurrency": c,
         "requests": int(rps * 5),
+        "answers": int(rps * 5) + s429 + s5xx,
         "errors": s429 + s5xx,
         "status_429": s429,
         "status_5xx": s5xx,
@@ -87,5 +88,6 @@ def test_names_and_lines() -> None:
     assert target_name(2, 2) == "rlgate"
     line = load_line("plain", "rlgate", level(512, 250, s429=900, s5xx=2))
     assert "2xx    250.0 req/s" in line and "429 900" in line and "5xx 2" in line
+    assert "no answer within the window" in load_line("stream", "litellm", level(512, 0))
     out = summary({"plain": mode_results()}, [1, 2], {"rlgate": {"answered": 1, "stored": 1}}, True)
     assert any(ln.startswith("plain --workers 2:") for ln in figure_lines(out))
