@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from inference.render_cache import RenderCache, prompt_key
+
 
 class ChatTemplate:
     """Wraps a Hugging Face tokenizer: messages -> ids, ids -> text, stop tokens."""
@@ -23,6 +25,10 @@ class ChatTemplate:
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stop if t is not None))
         # Templates that render `tools` themselves (Qwen, Hermes); others get a Hermes prompt.
         self.native_tools = "tools" in self.tokenizer.chat_template
+        # Whole prompts seen before (a group's first turns); not for a template that reads
+        # the clock (Llama 3's `strftime_now`): its text changes with the date.
+        clock = "strftime_now" in self.tokenizer.chat_template
+        self.cache = RenderCache(max_bytes=0 if clock else 32 * 2**20)
 
     def render_text(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -40,7 +46,19 @@ class ChatTemplate:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """Prompt ids for `messages`, ending with the assistant generation prompt."""
-        return self.encode(self.render_text(messages, tools))
+        key = prompt_key(messages, tools)
+        ids = self.cache.get(key)
+        if ids is None:
+            ids = self.encode(self.render_text(messages, tools))
+            self.cache.put(key, ids)
+        return ids
+
+    def lookup(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int] | None:
+        """`render`'s ids if these exact messages and tools were rendered before, else None:
+        cheap enough for the event loop, where a render needs a worker thread."""
+        return self.cache.get(prompt_key(messages, tools))
 
     def continue_from(
         self,

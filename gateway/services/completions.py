@@ -165,7 +165,9 @@ class ChatService:
                     template.continue_from, stream, to_render, native_tools, answers
                 )
             else:
-                prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)
+                prompt_ids = template.lookup(to_render, native_tools)
+                if prompt_ids is None:
+                    prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)
                 spliced = False
         except Exception as exc:  # a template can raise on roles or shapes it does not know
             raise InvalidRequest(
