@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest
 from inference.weight_sync import WIRE_DIR, CollectiveSource, open_transfer
+
+logger = logging.getLogger(__name__)
 
 # Server flags this backend relies on (`rlgate inference serve` passes them).
 REQUIRED_SERVER_ARGS = ("--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
@@ -195,9 +198,16 @@ class VLLMBackend(HttpBackend):
                 raise BackendError(f"vLLM at {self.url}: no worker answered /collective_rpc")
         rdv, _ = await open_transfer(source, self._workers)
         kwargs = {"rendezvous": json.dumps(rdv.to_json())}
-        await self._control(
+        resp = await self._control(
             "/collective_rpc", json={"method": "rlgate_receive_weights", "kwargs": kwargs}
         )
+        for i, r in enumerate(json_body(resp, "vLLM /collective_rpc").get("results") or []):
+            if isinstance(r, dict):  # the worker's figures
+                logger.info(
+                    "vLLM at %s worker %d: v%d, %d bytes received in %.2fs, loaded in %.2fs",
+                    self.url, i, version, r.get("bytes", 0),
+                    r.get("receive_s", 0.0), r.get("load_s", 0.0),
+                )  # fmt: skip
         with contextlib.suppress(BackendError):  # informative only
             await self._control("/update_weight_version", json={"new_version": str(version)})
 

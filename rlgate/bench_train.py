@@ -12,7 +12,9 @@ against a bare transformers loop on the same batch (`rlgate.bench_train_step`).
 
 `fsdp_step_ratio` (with `--engine fsdp --world-size N`): the same step on the
 run's resident FSDP ranks against the local engine, and `fsdp_per_step_ratio`,
-the path before resident ranks (`rlgate.bench_train_fsdp`).
+the path before resident ranks (`rlgate.bench_train_fsdp`); and `swap_s`, a
+new version into a vLLM CPU server from disk and over a gloo collective
+(`weight_sync`, `rlgate.bench_train_swap`; `--no-swap` skips it).
 Both parts run on the same torch thread count, printed. The last printed
 line is one JSON object.
 """
@@ -164,6 +166,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="--engine fsdp: skip the side with a torchrun group per step (before resident ranks)",
     )
     p.add_argument(
+        "--no-swap",
+        action="store_true",
+        help="--engine fsdp: skip swap_s (a version into a vLLM CPU server, disk vs collective)",
+    )
+    p.add_argument("--swap-repeats", type=int, default=5, help="--engine fsdp: swaps per mode")
+    p.add_argument(
         "--fsdp-only",
         action="store_true",
         help="--engine fsdp: skip the ratio and step_ratio parts",
@@ -188,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
             result |= bench_fsdp_step_ratio(
                 model_dir, work, threads, args.step_repeats, args.world_size, not args.no_per_step
             )
+        if not args.no_swap:
+            from rlgate.bench_train_swap import bench_swap
+
+            with work_dir("train-swap", args.work_dir) as work:
+                result |= bench_swap(model_dir, work, args.swap_repeats)
         if args.fsdp_only:
             print(json.dumps(result))
             return 0

@@ -46,9 +46,11 @@ from torch import nn
 
 from inference.weight_sync import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import (
+    Packed,
     Rendezvous,
     named_rendezvous,
     open_store,
+    pack,
     send_tensors,
     send_weights,
     tensor_list,
@@ -67,13 +69,13 @@ class VersionGone(LookupError):
 
 
 def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of `model`'s Hugging Face weights (a tied head is sent once, as the
-    embedding: vLLM's reload skips tied weights)."""
+    """`model`'s Hugging Face weights, detached (not copied: `WeightServer.publish` packs a
+    copy). A tied head is sent once, as the embedding: vLLM's reload skips tied weights."""
     state = model.state_dict()
     head, emb = (state.get(n) for n in TIED)
     if head is not None and emb is not None and head.data_ptr() == emb.data_ptr():
         state.pop(TIED[0])
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return {k: v.detach() for k, v in state.items()}
 
 
 def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
@@ -89,7 +91,7 @@ def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
     state = {k.removeprefix("lm."): v for k, v in state.items()}
     if getattr(engine.policy.lm.config, "tie_word_embeddings", False):
         state.pop(TIED[0], None)
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return {k: v.detach() for k, v in state.items()}  # gathered CPU copies already
 
 
 def write_offer(checkpoint_dir: Path, url: str, version: int) -> Path:
@@ -112,7 +114,7 @@ class WeightServer:
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
         self.host = host
         self.timeout_s = timeout_s  # a receiver that never joins frees its transfer after this
-        self._snapshots: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._snapshots: dict[str, tuple[int, Packed]] = {}
         self._lock = threading.Lock()
         self.transfers: list[dict[str, Any]] = []  # finished transfers, newest last (figures)
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
@@ -133,9 +135,12 @@ class WeightServer:
         return f"{self.url}/runs/{run_id}"
 
     def publish(self, run_id: str, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Make `state` (a copy no step will change) the run's newest version."""
+        """Make a copy of `state` (packed in its wire layout) the run's newest version.
+
+        The caller keeps `state` still while this runs (the step is over, under its lock)."""
+        packed = pack(state)
         with self._lock:
-            self._snapshots[run_id] = (version, state)
+            self._snapshots[run_id] = (version, packed)
 
     def version(self, run_id: str) -> int | None:
         with self._lock:
@@ -157,14 +162,14 @@ class WeightServer:
         if entry is None or entry[0] != version:
             have = None if entry is None else entry[0]
             raise VersionGone(f"run {run_id}: v{version} asked, v{have} held")
-        state = entry[1]
+        packed = entry[1]
         if protocol == "torch":
             rdv = named_rendezvous(self.host, receivers, version)
-            send = partial(send_tensors, rdv, state, "gloo", self.timeout_s)
-            answer = {**rdv.to_json(), "tensors": tensor_list(state)}
+            send = partial(send_tensors, rdv, packed, "gloo", self.timeout_s)
+            answer = {**rdv.to_json(), "tensors": tensor_list(packed)}
         else:
             store, rdv = open_store(self.host, receivers, version, self.timeout_s)
-            send = partial(send_weights, store, rdv, state, self.timeout_s)
+            send = partial(send_weights, store, rdv, packed, self.timeout_s)
             answer = rdv.to_json()
         threading.Thread(
             target=self._send, args=(run_id, rdv, send), name="weight-send", daemon=True

@@ -129,26 +129,46 @@ def plan(state: Mapping[str, torch.Tensor]) -> list[dict]:
     return buckets
 
 
-def send_weights(
-    store: dist.Store, rdv: Rendezvous, state: Mapping[str, torch.Tensor], timeout_s: float
-) -> int:
-    """Rank 0's side: publish the plan, wait for every receiver, broadcast. Returns bytes sent.
+@dataclass(frozen=True)
+class Packed:
+    """A snapshot of a state dict in its wire layout: the plan and one uint8 buffer per bucket.
 
-    `state` must not change meanwhile (the trainer sends a snapshot).
+    Packing is the snapshot's only copy: the sender broadcasts the buffers as they are.
     """
+
+    buckets: list[dict]
+    bufs: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) views into the buffers, in order."""
+        return _unpack(self.buckets, self.bufs)
+
+
+def pack(state: Mapping[str, torch.Tensor]) -> Packed:
+    """Copy `state` into its wire layout (a snapshot later changes to `state` do not reach)."""
     buckets = plan(state)
-    prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
-    prefixed.set(PLAN_KEY, json.dumps({"version": rdv.version, "buckets": buckets}))
-    group = _group(store, rdv, 0, timeout_s)
-    sent = 0
+    bufs = []
     for bucket in buckets:
         buf = torch.empty(bucket["nbytes"], dtype=torch.uint8)
         for name, _, _, offset, nbytes in bucket["tensors"]:
             src = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
             buf[offset : offset + nbytes].copy_(src)
+        bufs.append(buf)
+    return Packed(buckets, bufs)
+
+
+def send_weights(store: dist.Store, rdv: Rendezvous, packed: Packed, timeout_s: float) -> int:
+    """Rank 0's side: publish the plan, wait for every receiver, broadcast. Returns bytes sent."""
+    prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
+    prefixed.set(PLAN_KEY, json.dumps({"version": rdv.version, "buckets": packed.buckets}))
+    group = _group(store, rdv, 0, timeout_s)
+    for buf in packed.bufs:
         _broadcast(group, buf)
-        sent += buf.numel()
-    return sent
+    return packed.nbytes
 
 
 def receive_weights(
@@ -224,22 +244,19 @@ def join_named_group(rdv: Rendezvous, rank: int, backend: str, timeout_s: float)
     return group
 
 
-def tensor_list(state: Mapping[str, torch.Tensor]) -> list[list]:
+def tensor_list(packed: Packed) -> list[list]:
     """(name, dtype, shape) of each tensor, in sending order: what SGLang is told to expect."""
-    return [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()]
+    return [
+        [name, dtype, shape] for b in packed.buckets for name, dtype, shape, _, _ in b["tensors"]
+    ]
 
 
-def send_tensors(
-    rdv: Rendezvous, state: Mapping[str, torch.Tensor], backend: str, timeout_s: float
-) -> int:
-    """Rank 0 of a named group: broadcast each tensor of `state` in order. Returns bytes sent."""
+def send_tensors(rdv: Rendezvous, packed: Packed, backend: str, timeout_s: float) -> int:
+    """Rank 0 of a named group: broadcast each tensor in order, typed. Returns bytes sent."""
     group = join_named_group(rdv, 0, backend, timeout_s)
-    sent = 0
     try:
-        for t in state.values():
-            t = t.detach().contiguous()
-            dist.broadcast(t, src=0, group=group)
-            sent += t.numel() * t.element_size()
+        for _, t in packed.tensors():
+            dist.broadcast(t.contiguous(), src=0, group=group)
     finally:
         dist.destroy_process_group(group)
-    return sent
+    return packed.nbytes
