@@ -196,6 +196,11 @@ class Settings(BaseSettings):
     nproc_per_node: int = Field(
         1, ge=1, description="ranks on a joining node (node_rank > 0); node 0: world_size / nnodes"
     )
+    weight_sync_host: str = Field(
+        "127.0.0.1",
+        description="weight_sync collective: the address of this worker that the gateway and "
+        "the inference servers reach its weight server at (docs/weight-sync.md)",
+    )
 
     metrics_dir: Path | None = Field(
         None, description="trainer: also write step metrics as JSON lines (and TensorBoard) here"
