@@ -18,6 +18,9 @@ four-message history, on a fresh episode path per request for rlgate
 (``/episodes/<n>/v1/...``), so templating, tokenization and episode placement
 are paid; the stub and LiteLLM get the same body on their chat route.
 
+The targets are measured one after another: the stub, each rlgate gateway
+(started, measured in every mode, stopped: each of its processes holds up to
+40 PostgreSQL connections), then LiteLLM.
 Latency: percentiles at `latency_concurrency` clients. Throughput: the best
 2xx requests/s over the closed-loop levels (a 429 or 5xx is never
 throughput; both are reported beside it), each counted after a `warmup` and
@@ -36,12 +39,14 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlgate import bench_dirs
 from rlgate.bench_gateway_report import figure_lines, load_line, summary, target_name
+from rlgate.bench_load import Target, measure
 
 PROMPT = list(range(100, 164))  # 64 prompt tokens
 ADMIN_KEY = "bench-admin"
@@ -193,6 +198,19 @@ def _create_run(url: str, name: str, stub: str) -> dict[str, Any]:
     return resp.json()
 
 
+def _rlgate_target(url: str, run: dict, mode: str, body: dict, route: str) -> Target:
+    """rlgate: the run's key and name; chat on a fresh episode path per request."""
+    path = "/episodes/{n}" + route if mode == "chat" else route
+    return url, path, body | {"model": run["name"]}, {"Authorization": f"Bearer {run['api_key']}"}
+
+
+def _litellm_target(url: str, key: str, mode: str, body: dict, route: str) -> Target:
+    from rlgate import bench_litellm
+
+    model = bench_litellm.CHAT_MODEL if mode == "chat" else bench_litellm.TEXT_MODEL
+    return url, route, body | {"model": model}, {"Authorization": f"Bearer {key}"}
+
+
 def bench_gateway(
     database_url: str = "postgresql://postgres@127.0.0.1:5432/test",
     cache_dir: Path | None = None,
@@ -211,7 +229,6 @@ def bench_gateway(
     from inference.models import resolve_model
     from rlgate import bench_litellm
     from rlgate.bench_capture import fresh_database
-    from rlgate.bench_load import measure
     from rlgate.bench_wrk import available
     from rlgate.stack import free_port
 
@@ -225,17 +242,41 @@ def bench_gateway(
     stub_cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm"]
     stub_cmd += ["--port", str(stub_port), "--latency-ms", str(latency_ms)]
     stub_cmd += ["--output-tokens", str(output_tokens)]
+    stub_model = {"model": "stub-model"}
     lite_version = None
     results: dict[str, dict[str, Any]] = {}
+
+    def measure_modes(name: str, target_of: Callable[[str, dict, str], Target]) -> None:
+        """Every mode on one target; `target_of(mode, body, route)` says how to reach it."""
+        for mode in modes:
+            route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
+            target = target_of(mode, mode_body(mode, output_tokens), route)
+            settled = partial(settle, stub_url)
+            m = measure(target, latency_concurrency, list(levels), seconds, loader, settled, warmup)
+            results.setdefault(mode, {})[name] = m
+            for level in (m["latency"], *m["throughput"]):
+                print(load_line(mode, name, level), file=sys.stderr)
+
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(bench_dirs.work_dir("gw", work_dir))  # removed last
         db = stack.enter_context(fresh_database(database_url))
         stub = stack.enter_context(_process(stub_cmd, tmp / "stub.log"))
         _wait_http(stub_url + "/health", stub)
-        gateways = {}  # target name -> (url, run)
+        measure_modes("stub", lambda _, body, route: (stub_url, route, body | stub_model, {}))
+        stored = {}
         for w in workers:
-            url = _start_gateway(stack, tmp, db, cache_dir, w)
-            gateways[target_name(w, workers[0])] = (url, _create_run(url, f"bench-w{w}", stub_url))
+            # one gateway at a time: each of its processes holds up to 40 database connections
+            name = target_name(w, workers[0])
+            with contextlib.ExitStack() as gateway:
+                url = _start_gateway(gateway, tmp, db, cache_dir, w)
+                run = _create_run(url, f"bench-w{w}", stub_url)
+                measure_modes(name, partial(_rlgate_target, url, run))
+            answered = sum(
+                level["requests"] + level["warm_2xx"] + level["warm_ok"]
+                for r in results.values()
+                for level in (r[name]["latency"], *r[name]["throughput"])
+            )
+            stored[name] = {"answered": answered, "stored": _count_completions(db, run["run_id"])}
         if not skip_litellm:
             lite_key = "sk-" + secrets.token_hex(24)
             bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
@@ -244,39 +285,7 @@ def bench_gateway(
             lite = stack.enter_context(_process(lite_cmd, tmp / "litellm.log"))
             lite_version = bench_litellm.installed_version()
             _wait_http(lite_url + "/health/liveliness", lite)
-        for mode in modes:
-            body = mode_body(mode, output_tokens)
-            route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
-            targets = {"stub": (stub_url, route, body | {"model": "stub-model"}, {})}
-            for name, (url, run) in gateways.items():
-                path = "/episodes/{n}" + route if mode == "chat" else route
-                auth = {"Authorization": f"Bearer {run['api_key']}"}
-                targets[name] = (url, path, body | {"model": run["name"]}, auth)
-            if not skip_litellm:
-                model = bench_litellm.CHAT_MODEL if mode == "chat" else bench_litellm.TEXT_MODEL
-                auth = {"Authorization": f"Bearer {lite_key}"}
-                targets["litellm"] = (lite_url, route, body | {"model": model}, auth)
-            for name, target in targets.items():
-                m = measure(
-                    target,
-                    latency_concurrency,
-                    list(levels),
-                    seconds,
-                    loader,
-                    lambda: settle(stub_url),
-                    warmup,
-                )
-                results.setdefault(mode, {})[name] = m
-                for level in (m["latency"], *m["throughput"]):
-                    print(load_line(mode, name, level), file=sys.stderr)
-        stored = {}
-        for name, (_, run) in gateways.items():
-            answered = sum(
-                level["requests"] + level["warm_2xx"] + level["warm_ok"]
-                for r in results.values()
-                for level in (r[name]["latency"], *r[name]["throughput"])
-            )
-            stored[name] = {"answered": answered, "stored": _count_completions(db, run["run_id"])}
+            measure_modes("litellm", partial(_litellm_target, lite_url, lite_key))
     return summary(
         results,
         list(workers),
