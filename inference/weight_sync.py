@@ -40,10 +40,9 @@ def offer_path(checkpoint_dir: Path) -> Path:
 
 
 def saved(checkpoint_dir: Path) -> bool:
-    """Whether the version's weights are on disk (a model or a LoRA adapter)."""
-    return checkpoint_dir.is_dir() and (
-        any(checkpoint_dir.glob("*.safetensors")) or (checkpoint_dir / "config.json").is_file()
-    )
+    """Whether the version's weights are on disk (a model or a LoRA adapter: checkpoints are
+    renamed into place whole, so any safetensors file means all of them)."""
+    return checkpoint_dir.is_dir() and any(checkpoint_dir.glob("*.safetensors"))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Init:
     reference_dir: str | None = None
     optimizer_in: str | None = None  # AdamW state saved for version N, if any
     run_id: str = ""  # weight_sync collective: rank 0 offers the run's weights under this id
+    weight_host: str = "127.0.0.1"  # ... on this address of its host (weight_sync_host)
     op: str = "init"
 
 

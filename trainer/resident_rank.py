@@ -94,14 +94,19 @@ class Rank:
     """
 
     def __init__(
-        self, engine: Engine, leader_rank: int, sock: socket.socket | None, run_id: str = ""
+        self,
+        engine: Engine,
+        leader_rank: int,
+        sock: socket.socket | None,
+        run_id: str = "",
+        weight_host: str = "127.0.0.1",
     ) -> None:
         self.engine, self.leader_rank, self.sock = engine, leader_rank, sock
         self.run_id = run_id
         self.commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.steps = 0  # steps this group has run: 1, 2, 3 ... while the model stays resident
         collective = engine.cfg.weight_sync == "collective"
-        self.weights = WeightServer() if collective and dist.get_rank() == 0 else None
+        self.weights = WeightServer(weight_host) if collective and dist.get_rank() == 0 else None
 
     def next_command(self) -> tuple[proto.Message, list | None]:
         """The leader's next command (and a Step's samples), the same on every rank."""
@@ -175,7 +180,7 @@ def main() -> int:
     init = proto.decode(published["init"])
     engine = build_engine(init)
     try:
-        Rank(engine, published["leader"], sock, init.run_id).serve()
+        Rank(engine, published["leader"], sock, init.run_id, init.weight_host).serve()
     finally:
         if sock is not None:
             with contextlib.suppress(OSError):

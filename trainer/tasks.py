@@ -59,7 +59,7 @@ class Trainer:
         # torchrun engines: each run's ranks stay up between steps (trainer.resident_pool)
         self.resident = ResidentPool(settings.node(), settings.resident_idle_s, self._run_active)
         # weight_sync: when checkpoints are written; collective: the newest weights, offered
-        self.weights = StepWeights()
+        self.weights = StepWeights(host=settings.weight_sync_host)
         self.weights.watch(self._run_active)
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:
@@ -223,6 +223,7 @@ class Trainer:
             # a new group resumes the moments saved for v`step`, after a step or on a release
             optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)),
             run_id=run_id,
+            weight_host=self.settings.weight_sync_host,
         )
         return self.resident.step(
             run_id,
