@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,8 +18,9 @@ import torch
 
 from inference.backend import BackendError
 from inference.http_common import HttpBackendConfig
+from inference.launch import ServerConfig, server_command, server_env
 from inference.vllm_http import VLLMBackend
-from inference.weight_sync import CollectiveSource, offer_path, weights_source
+from inference.weight_sync import WIRE_DIR, CollectiveSource, offer_path, weights_source
 from inference.weight_wire import rlgate_weight_wire as wire
 from trainer.config import RunConfig
 from trainer.weight_sync import StepWeights, WeightServer, hf_state, save_due
@@ -220,3 +223,21 @@ async def test_a_version_the_trainer_no_longer_holds(server: WeightServer, tmp_p
     assert be.version == 1
     assert fake.calls[-3:] == ["reload_weights", "/update_weight_version", "/resume"]
     await be.close()
+
+
+def test_vllm_servers_start_with_the_worker_extension(tmp_path: Path) -> None:
+    cfg = ServerConfig(kind="vllm", model_dir=tmp_path, python=Path(sys.executable))
+    cmd = server_command(cfg)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "rlgate_vllm_ext.WeightReceiver"
+    env = server_env(cfg)
+    assert env["PYTHONPATH"] == str(WIRE_DIR) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    # vLLM's interpreter has torch but no rlgate: the extension must need nothing else
+    probe = (
+        "import sys, rlgate_vllm_ext; "
+        "ours = {'inference', 'trainer', 'gateway'}; "
+        "assert not any(m.split('.')[0] in ours for m in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
