@@ -52,6 +52,27 @@ def conversation_hash(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _canonical(message: dict[str, Any]) -> str:
+    return json.dumps(
+        _canonical_calls(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+
+
+def assistant_prefix_hashes(messages: list[dict[str, Any]]) -> dict[str, int]:
+    """`conversation_hash(messages[:end])` -> `end`, for each prefix that ends in an assistant
+    message (the candidate parents), in one pass: each message is encoded once and the
+    prefixes share one running hash (a list's compact JSON is its items' joined by commas)."""
+    running = hashlib.sha256(b"[")
+    out: dict[str, int] = {}
+    for end, message in enumerate(messages[:-1], start=1):
+        running.update(((end > 1) * "," + _canonical(message)).encode())
+        if message.get("role") == "assistant":
+            prefix = running.copy()
+            prefix.update(b"]")
+            out[prefix.hexdigest()] = end
+    return out
+
+
 def _canonical_calls(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if not calls:
@@ -147,17 +168,13 @@ async def find_parent(
     episode_id: str | None,
     window_s: float,
 ) -> Completion | None:
-    """The completion whose messages + answer are the longest prefix of `messages`."""
+    """The completion whose messages + answer are the longest prefix of `messages`.
+
+    Every candidate prefix (one per assistant message) is looked up in one query.
+    """
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    for end in range(len(messages) - 1, 0, -1):
-        if messages[end - 1].get("role") != "assistant":
-            continue
-        hit = await find_by_conv_hash(
-            session, run_id, conversation_hash(messages[:end]), since, episode_id
-        )
-        if hit is not None:
-            return hit
-    return None
+    prefixes = assistant_prefix_hashes(messages)
+    return await find_by_conv_hash(session, run_id, prefixes, since, episode_id)
 
 
 async def place(

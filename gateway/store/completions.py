@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Select, func, insert, select
+from sqlalchemy import Select, case, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -38,18 +38,28 @@ async def insert_completions(session: AsyncSession, rows: list[Completion], now:
 
 
 async def find_by_conv_hash(
-    session: AsyncSession, run_id: str, conv_hash: str, since: datetime, episode_id: str | None
+    session: AsyncSession,
+    run_id: str,
+    hashes: dict[str, int],
+    since: datetime,
+    episode_id: str | None,
 ) -> Completion | None:
-    """The newest completion of the run (of `episode_id`, if given) since `since` whose
-    messages plus answer hash to `conv_hash`."""
+    """Of the run's completions (of `episode_id`, if given) since `since` whose messages plus
+    answer hash to one of `hashes`, the newest of those with the highest rank (`hashes` maps
+    each hash to its rank): one statement, however many hashes."""
+    if not hashes:
+        return None
     stmt = select(Completion).where(
         Completion.run_id == run_id,
-        Completion.conv_hash == conv_hash,
+        Completion.conv_hash.in_(list(hashes)),
         Completion.created_at >= since,
     )
     if episode_id is not None:
         stmt = stmt.where(Completion.episode_id == episode_id)
-    return (await session.execute(stmt.order_by(Completion.created_at.desc()).limit(1))).scalar()
+    if len(hashes) > 1:
+        stmt = stmt.order_by(case(hashes, value=Completion.conv_hash).desc())
+    stmt = stmt.order_by(Completion.created_at.desc()).limit(1)
+    return (await session.execute(stmt)).scalar()
 
 
 def _of_episodes(run_id: str, episode_ids: list[str]) -> Select:
