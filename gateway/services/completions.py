@@ -87,6 +87,7 @@ class ChatService:
         self.admission = admission or Admission(sessions, pool.serving_version)
         # Without a started writer (no app lifespan) each store is its own transaction.
         self.capture = capture or CaptureWriter(sessions)
+        self.reads = read_sessions(sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}
 
     async def serving(self, run: Run) -> RunServing:
@@ -144,7 +145,7 @@ class ChatService:
             raise InvalidRequest(str(exc), param="messages") from exc
         cfg = RunConfig.model_validate(run.config)
         serving = await self.serving(run)
-        async with self.sessions() as s:
+        async with self.reads() as s:
             placement = await place(
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
@@ -343,6 +344,18 @@ class ChatService:
             group_id=group_id,
             policy_version=rows[0].policy_version,
         )
+
+
+def read_sessions(sessions: async_sessionmaker[AsyncSession]) -> async_sessionmaker[AsyncSession]:
+    """Sessions for the placement's reads, in autocommit: no BEGIN and ROLLBACK round trips
+    around them (two of a chat call's few). Completions never change once stored, so
+    reading a parent and its ancestry outside one transaction sees nothing torn."""
+    bind = sessions.kw.get("bind")
+    if bind is None:
+        return sessions
+    return async_sessionmaker(
+        bind.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+    )
 
 
 def sampling_params(

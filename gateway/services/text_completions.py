@@ -89,7 +89,7 @@ class TextCompletionService:
         )
         messages = [{"role": PROMPT_ROLE, "content": text}]
         cfg = RunConfig.model_validate(run.config)
-        async with self.chat.sessions() as s:
+        async with self.chat.reads() as s:
             placement = await place(
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
             )
