@@ -276,7 +276,7 @@ def bench_gateway(
                 for r in results.values()
                 for level in (r[name]["latency"], *r[name]["throughput"])
             )
-            stored[name] = {"answered": answered, "stored": _count_completions(db, run["run_id"])}
+            stored[name] = {"answered": answered, **_count_stored(db, run["run_id"])}
         if not skip_litellm:
             lite_key = "sk-" + secrets.token_hex(24)
             bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
@@ -302,18 +302,23 @@ def bench_gateway(
     )
 
 
-def _count_completions(url: str, run_id: str) -> int:
-    """What the gateway stored for the run (every answered request must be there)."""
+def _count_stored(url: str, run_id: str) -> dict[str, int]:
+    """What the gateway stored for the run: completions (every answer must be there), episodes."""
     from sqlalchemy.ext.asyncio import AsyncSession
 
     from gateway.store.completions import count_completions
     from gateway.store.db import make_async_engine
+    from gateway.store.episodes import episode_counts
 
-    async def count() -> int:
+    async def count() -> dict[str, int]:
         engine = make_async_engine(url)
         try:
             async with AsyncSession(engine) as s:
-                return await count_completions(s, run_id)
+                episodes = await episode_counts(s)
+                return {
+                    "stored": await count_completions(s, run_id),
+                    "episodes": sum(n for (run, _), n in episodes.items() if run == run_id),
+                }
         finally:
             await engine.dispose()
 

@@ -77,7 +77,8 @@ def summary(
 ) -> dict[str, Any]:
     """The bench's JSON: per-mode figures, the contract's top level (plain), the storage check.
 
-    `stored` maps a target to ``{"answered": 2xx answers, "stored": completions in the DB}``.
+    `stored` maps a target to ``{"answered": 2xx answers, "stored": completions in the DB,
+    "episodes": its run's episodes}``.
     """
     out: dict[str, Any] = {"bench": "gateway", **meta, "workers": workers}
     out["rlgate_answered"] = sum(s["answered"] for s in stored.values())

@@ -12,15 +12,16 @@ seconds are counted apart and left out of the rate (with 512 clients that
 all start at once, the first round of answers is a start-up transient, not
 the sustained rate); the clock is CLOCK_MONOTONIC through LuaJIT's FFI. A
 `request()` hook builds each request, so that a path may number its requests
-(``{n}`` in the path becomes ``<thread>-<count>``: a fresh episode per
-request). `done()` writes one line, ``WRK_JSON {...}``, that `parse` reads.
-wrk's latency percentiles cover every answer, whatever its status, warm-up
-included.
+(``{n}`` in the path becomes ``<prefix>-<thread>-<count>``, the prefix new
+for each load: a fresh episode per request). `done()` writes one line,
+``WRK_JSON {...}``, that `parse` reads. wrk's latency percentiles cover every
+answer, whatever its status, warm-up included.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -96,9 +97,12 @@ def available() -> bool:
     return shutil.which("wrk") is not None
 
 
-def script(path: str, body: dict, headers: dict[str, str], warmup: float = 0.0) -> str:
-    """The Lua script for POSTs of `body` to `path` (``{n}`` in it numbers each request)."""
+def script(
+    path: str, body: dict, headers: dict[str, str], warmup: float = 0.0, prefix: str = "n"
+) -> str:
+    """The Lua script for POSTs of `body` to `path` (``{n}``: `prefix`-thread-count)."""
     head, _, tail = path.partition("{n}")
+    head += f"{prefix}-" if "{n}" in path else ""
     all_headers = {"Content-Type": "application/json", **headers}
     lua_headers = "{" + ", ".join(f'["{k}"] = "{v}"' for k, v in all_headers.items()) + "}"
     return _SCRIPT.format(
@@ -155,7 +159,7 @@ def wrk_load(
     measured, warm = max(1, round(seconds)), round(warmup)
     with tempfile.TemporaryDirectory() as tmp:
         lua = Path(tmp) / "post.lua"
-        lua.write_text(script(path, body, headers, warm))
+        lua.write_text(script(path, body, headers, warm, secrets.token_hex(4)))
         cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{measured + warm}s"]
         cmd += ["--timeout", "30s", "-s", str(lua), url]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

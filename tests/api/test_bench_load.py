@@ -70,6 +70,8 @@ def test_each_request_gets_its_own_path_and_429s_are_not_throughput(
     assert re.fullmatch(r"/episodes/warm-\w+/v1/chat/completions", Recorder.paths[0])
     assert m["answers"] >= 3 and m["answers"] <= len(paths)
     assert len(set(paths)) == len(paths)  # a fresh episode per request
+    again = load(target, 4, 1.0, loader, warmup=0.0)  # and per load: no id comes back
+    assert again["answers"] > 0 and len(set(Recorder.paths)) == len(Recorder.paths)
     assert all(re.fullmatch(r"/episodes/[\w-]+/v1/chat/completions", p) for p in paths)
     assert m["status_429"] >= 1
     assert m["requests"] == m["statuses"]["200"] == m["answers"] - m["status_429"]

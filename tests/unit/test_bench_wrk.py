@@ -49,9 +49,10 @@ def test_parse_no_answers() -> None:
 
 
 def test_script_numbers_the_path_only_when_asked() -> None:
-    numbered = script("/episodes/{n}/v1/chat/completions", {"a": 1}, {"Authorization": "Bearer k"})
+    path = "/episodes/{n}/v1/chat/completions"
+    numbered = script(path, {"a": 1}, {"Authorization": "Bearer k"}, prefix="ab12")
     assert "local numbered = true" in numbered
-    assert "[==[/episodes/]==], [==[/v1/chat/completions]==]" in numbered
+    assert "[==[/episodes/ab12-]==], [==[/v1/chat/completions]==]" in numbered
     assert '["Authorization"] = "Bearer k"' in numbered
     assert '["Content-Type"] = "application/json"' in numbered
     assert "local warmup = 0.0" in numbered

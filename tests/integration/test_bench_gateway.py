@@ -1,0 +1,54 @@
+"""`rlgate bench gateway` end to end, short: stub and a real gateway on PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlgate.bench_gateway import bench_gateway
+from rlgate.bench_wrk import available
+
+from .conftest import PG_ADMIN
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def short_bench(work_dir: Path, cache_dir: Path, loader: str, modes: tuple[str, ...]) -> dict:
+    return bench_gateway(
+        PG_ADMIN,
+        cache_dir=cache_dir,
+        seconds=1.0,
+        latency_concurrency=2,
+        levels=(8,),
+        skip_litellm=True,
+        loader=loader,
+        work_dir=work_dir,
+        modes=modes,
+        warmup=1.0,
+    )
+
+
+def test_every_mode_through_rlgate_is_answered_and_stored(
+    model_cache_dir: Path, tmp_path: Path
+) -> None:
+    out = short_bench(tmp_path, model_cache_dir, "python", ("plain", "stream", "chat"))
+    for mode in ("plain", "stream", "chat"):
+        rlgate = out["modes"][mode]["rlgate"]
+        for load in (rlgate["latency"], *rlgate["throughput"]):
+            assert load["requests"] > 0 and load["errors"] == 0, (mode, load)
+        assert out[mode]["status_5xx"] == 0 and "overhead_ratio" not in out[mode]
+        assert out[mode]["top_level"] == 8 and "r512_fraction" not in out[mode]
+    assert "Traceback" not in (tmp_path / "gateway-w1.log").read_text()
+    assert out["all_stored"], out["stored_by_target"]
+    assert out["rlgate_stored"] >= out["rlgate_answered"] > 0
+    assert out["litellm_version"] is None and out["workers"] == [1]
+
+
+@pytest.mark.skipif(not available(), reason="wrk is not installed")
+def test_chat_mode_opens_an_episode_per_request(model_cache_dir: Path, tmp_path: Path) -> None:
+    out = short_bench(tmp_path, model_cache_dir, "wrk", ("chat",))
+    stored = out["stored_by_target"]["rlgate"]
+    assert stored["answered"] > 10 and out["all_stored"]
+    # wrk's request() numbered the episode paths: one episode per answered request at least
+    assert stored["episodes"] >= stored["answered"]
