@@ -155,7 +155,7 @@ class Settings(BaseSettings):
         "(the limit adapts between min and max by event-loop lag); 0: unbounded",
     )
     overload_min_inflight: int = Field(
-        32, ge=1, description="the adaptive limit's floor; equal to max_inflight: a fixed limit"
+        64, ge=1, description="the adaptive limit's floor; equal to max_inflight: a fixed limit"
     )
     overload_max_inflight_per_run: int = Field(
         0, ge=0, description="sampling calls of one run at once, per process; 0: unbounded"
@@ -167,7 +167,7 @@ class Settings(BaseSettings):
         1024, ge=0, description="calls waiting for a slot, per scope; beyond: 429 at once"
     )
     overload_queue_timeout_s: float = Field(
-        10.0, gt=0, description="a waiting call gets 429 after this long without a slot"
+        30.0, gt=0, description="a waiting call gets 429 after this long without a slot"
     )
     overload_lag_target_ms: float = Field(
         25.0, gt=0, description="event-loop lag above which the adaptive limit shrinks"

@@ -71,11 +71,11 @@ class OverloadConfig:
     """The bounds; a 0 limit or queue means unbounded (see the module docstring)."""
 
     max_inflight: int = 1024  # the process's adaptive limit, at most
-    min_inflight: int = 32  # ... and at least (= max_inflight: a fixed limit)
+    min_inflight: int = 64  # ... and at least (= max_inflight: a fixed limit)
     max_inflight_per_run: int = 0
     max_inflight_per_backend: int = 0
     max_queue: int = 1024  # waiters per scope
-    queue_timeout_s: float = 10.0
+    queue_timeout_s: float = 30.0
     lag_target_s: float = 0.025
     tick_s: float = 0.05
 
