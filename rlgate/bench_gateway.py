@@ -146,7 +146,9 @@ def settle(stub: str, quiet_s: float = 1.0, timeout_s: float = 90.0) -> None:
 def gateway_command(port: int, workers: int) -> list[str]:
     """How the bench starts rlgate: `rlgate.serve` (as `rlgate up` does), `workers` processes."""
     cmd = [sys.executable, "-m", "rlgate.serve", "--host", "127.0.0.1", "--port", str(port)]
-    return [*cmd, "--workers", str(workers)]
+    # 1: left to the settings the bench passes (gateway_workers 1), so that the bench
+    # also measures a gateway from before `--workers`
+    return cmd + (["--workers", str(workers)] if workers != 1 else [])
 
 
 def _start_gateway(
