@@ -146,8 +146,8 @@ def settle(stub: str, quiet_s: float = 1.0, timeout_s: float = 90.0) -> None:
 def gateway_command(port: int, workers: int) -> list[str]:
     """How the bench starts rlgate: `rlgate.serve` (as `rlgate up` does), `workers` processes."""
     cmd = [sys.executable, "-m", "rlgate.serve", "--host", "127.0.0.1", "--port", str(port)]
-    # 1: left to the settings the bench passes (gateway_workers 1), so that the bench
-    # also measures a gateway from before `--workers`
+    # 1: RLGATE_GATEWAY_WORKERS (`_start_gateway`), so that a gateway from before
+    # `--workers` can be measured too
     return cmd + (["--workers", str(workers)] if workers != 1 else [])
 
 
@@ -167,9 +167,8 @@ def _start_gateway(
     )
     port = free_port()
     log = tmp / f"gateway-w{workers}.log"
-    proc = stack.enter_context(
-        _process(gateway_command(port, workers), log, settings_env(settings))
-    )
+    env = settings_env(settings) | {"RLGATE_GATEWAY_WORKERS": str(workers)}
+    proc = stack.enter_context(_process(gateway_command(port, workers), log, env))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s=180)
