@@ -19,6 +19,7 @@ import torch
 from inference.backend import BackendError
 from inference.http_common import HttpBackendConfig
 from inference.launch import ServerConfig, server_command, server_env
+from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.vllm_http import VLLMBackend
 from inference.weight_sync import WIRE_DIR, CollectiveSource, offer_path, weights_source
 from inference.weight_wire import rlgate_weight_wire as wire
@@ -241,3 +242,15 @@ def test_vllm_servers_start_with_the_worker_extension(tmp_path: Path) -> None:
         [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+async def test_a_replica_that_joins_late_gets_the_offered_version(server: WeightServer) -> None:
+    server.publish("r1", 1, _state())
+    first, late = FakeVLLM(), FakeVLLM()
+    replicas = ReplicaSet([("a", _backend(first), "http://a")], ReplicaConfig())
+    await replicas.load_weights(CollectiveSource(server.url_for("r1"), 1, Path("/nowhere")), 1)
+    await replicas.add_replica("b", _backend(late), "http://b")
+    status = {r["name"]: r for r in replicas.replica_status()}
+    assert status["b"]["healthy"] is True and status["b"]["version"] == 1
+    assert "rlgate_receive_weights" in late.calls and _same(late.received[0], _state())
+    await replicas.close()
