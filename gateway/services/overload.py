@@ -33,6 +33,9 @@ event loop's lag: while it stays under `lag_target_s` and the limit is in
 use, the limit grows by 5 % per tick; above it, it shrinks by 20 %. A call
 already admitted always finishes; only new ones wait.
 
+A call whose client disconnects while it waits is dropped when its turn
+comes, before any of its work (its body is read first to tell).
+
 The first call of an API key in a process is bounded by the process alone:
 its run is known once authentication has cached it (`RunKeyCache`), so
 there is no database read here.
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import RateLimited, error_response
 from gateway.keys import hash_key
@@ -113,12 +116,15 @@ class Limiter:
     def _free(self) -> bool:
         return self.limit <= 0 or self.inflight < self.limit
 
-    async def acquire(self, deadline: float) -> None:
-        """Take a slot, waiting in line until `deadline` (monotonic); else raise Overloaded."""
+    async def acquire(self, deadline: float) -> bool:
+        """Take a slot, waiting in line until `deadline` (monotonic); else raise Overloaded.
+
+        Returns whether the call had to wait.
+        """
         if self._free() and not self._waiters:
             self.inflight += 1
             self.inflight_peak = max(self.inflight_peak, self.inflight)
-            return
+            return False
         if self.max_queue and len(self._waiters) >= self.max_queue:
             raise self._reject("queue_full")
         waiter = asyncio.get_running_loop().create_future()
@@ -127,9 +133,10 @@ class Limiter:
         try:
             async with asyncio.timeout_at(_loop_time(deadline)):
                 await waiter
+            return True
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
-                return  # handed a slot as the deadline struck: it is ours
+                return True  # handed a slot as the deadline struck: it is ours
             self._drop(waiter)
             raise self._reject("deadline") from None
         except asyncio.CancelledError:  # the client went away while waiting
@@ -222,6 +229,7 @@ class OverloadGuard:
             else None
         )
         self.limiters: dict[str, Limiter] = {}
+        self.abandoned = 0  # calls whose client left while they waited: never started
         self._keys: dict[str, tuple[str, str]] = {}  # key hash -> (run scope, backend scope)
 
     def scopes(self, key_hash: str | None) -> list[Limiter]:
@@ -280,6 +288,11 @@ class OverloadCollector(Collector):
             for reason, n in lim.rejected.items():
                 rejected.add_metric([lim.name, reason], n)
         yield rejected
+        yield CounterMetricFamily(
+            "rlgate_overload_abandoned",
+            "calls whose client left while they waited for a slot",
+            value=self.guard.abandoned,
+        )
 
 
 def backend_scope(run: Run) -> str:
@@ -322,10 +335,11 @@ class OverloadMiddleware:
         key = _api_key(scope)
         key_hash = hash_key(key) if key else None
         held: list[Limiter] = []
+        waited = False
         deadline = time.monotonic() + self.guard.cfg.queue_timeout_s
         try:
             for limiter in self.guard.scopes(key_hash):
-                await limiter.acquire(deadline)
+                waited |= await limiter.acquire(deadline)
                 held.append(limiter)
         except Overloaded as exc:
             for limiter in reversed(held):
@@ -338,11 +352,27 @@ class OverloadMiddleware:
             raise
         start = time.monotonic()
         try:
+            if waited:  # a client that gave up while its call waited gets no work done
+                first = await receive()
+                if first["type"] == "http.disconnect":
+                    self.guard.abandoned += 1
+                    return
+                receive = _replay(first, receive)
             await self.app(scope, receive, send)
         finally:
             held_s = time.monotonic() - start
             for limiter in reversed(held):
                 limiter.release(held_s)
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """`receive` with `first`, already read, handed out again first."""
+    pending: list[Message] = [first]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 async def _too_busy(exc: Overloaded, scope: Scope, receive: Receive, send: Send) -> None:

@@ -164,3 +164,38 @@ async def test_the_middleware_answers_a_quick_openai_429_past_the_bound() -> Non
         gate.set()
         assert [(await t).status_code for t in (first, second, other)] == [200, 200, 200]
     assert guard.process.inflight == 0
+
+
+async def test_a_call_whose_client_left_while_it_waited_is_never_started() -> None:
+    cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=4, queue_timeout_s=FAR)
+    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        started.append(scope["path"])
+        await gate.wait()
+
+    mw = OverloadMiddleware(app, guard=guard)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    sent: list[dict] = []
+
+    async def body() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    first = asyncio.create_task(mw(scope, body, send))
+    await _settle()
+    second = asyncio.create_task(mw(scope, gone, send))
+    await _settle()
+    assert guard.process.queued == 1
+    gate.set()
+    await first
+    await second
+    assert started == ["/v1/chat/completions"] and guard.abandoned == 1 and sent == []
+    assert guard.process.inflight == 0
