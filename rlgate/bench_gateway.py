@@ -35,7 +35,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from rlgate import bench_dirs
-from rlgate.bench_gateway_report import figure_lines, load_line, summary, target_name
+from rlgate.bench_gateway_report import BASELINE, figure_lines, load_line, summary, target_name
 from rlgate.bench_load import Target, measure
 
 PROMPT = list(range(100, 164))  # 64 prompt tokens
@@ -112,11 +114,13 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Any]:
+def _process(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[Any]:
     from rlgate.stack import stop
 
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         yield proc
     finally:
@@ -152,23 +156,34 @@ def gateway_command(port: int, workers: int) -> list[str]:
 
 
 def _start_gateway(
-    stack: contextlib.ExitStack, tmp: Path, db: str, cache: Path, workers: int
+    stack: contextlib.ExitStack,
+    tmp: Path,
+    db: str,
+    cache: Path,
+    workers: int,
+    src: Path | None = None,
 ) -> str:
-    """A gateway with `workers` processes, its URL once it answers (stopped with `stack`)."""
+    """A gateway with `workers` processes, its URL once it answers (stopped with `stack`).
+
+    `src`: the gateway's code from that source tree instead (imported first, run from there).
+    """
     from rlgate.settings import Settings
     from rlgate.stack import free_port, settings_env, wait_healthy
 
+    tag = f"w{workers}" + ("-baseline" if src else "")
     settings = Settings(
-        data_dir=tmp / f"data-w{workers}",
+        data_dir=tmp / f"data-{tag}",
         database_url=db,
         admin_key=ADMIN_KEY,
         dev_mode=False,
         model_cache_dir=cache.resolve(),
     )
     port = free_port()
-    log = tmp / f"gateway-w{workers}.log"
+    log = tmp / f"gateway-{tag}.log"
     env = settings_env(settings) | {"RLGATE_GATEWAY_WORKERS": str(workers)}
-    proc = stack.enter_context(_process(gateway_command(port, workers), log, env))
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    proc = stack.enter_context(_process(gateway_command(port, workers), log, env, src))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s=180)
@@ -226,6 +241,7 @@ def bench_gateway(
     workers: tuple[int, ...] = (1,),
     modes: tuple[str, ...] = MODES,
     warmup: float = 1.0,
+    baseline_src: Path | None = None,
 ) -> dict[str, Any]:
     from inference.models import resolve_model
     from rlgate import bench_litellm
@@ -265,12 +281,14 @@ def bench_gateway(
         _wait_http(stub_url + "/health", stub)
         measure_modes("stub", lambda _, body, route: (stub_url, route, body | stub_model, {}))
         stored = {}
-        for w in workers:
+        gateways = [(target_name(w, workers[0]), w, None) for w in workers]
+        if baseline_src is not None:
+            gateways.append((BASELINE, workers[0], baseline_src.resolve()))
+        for name, w, src in gateways:
             # one gateway at a time: each of its processes holds up to 40 database connections
-            name = target_name(w, workers[0])
             with contextlib.ExitStack() as gateway:
-                url = _start_gateway(gateway, tmp, db, cache_dir, w)
-                run = _create_run(url, f"bench-w{w}", stub_url)
+                url = _start_gateway(gateway, tmp, db, cache_dir, w, src)
+                run = _create_run(url, f"bench-{name}", stub_url)
                 measure_modes(name, partial(_rlgate_target, url, run))
             answered = sum(
                 level["requests"] + level["warm_2xx"] + level["warm_ok"]
@@ -362,6 +380,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="gateway processes; a list (1,2) measures one gateway per count in the same run",
     )
     p.add_argument("--modes", type=_modes, default=MODES, help="default plain,stream,chat")
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="a source tree of rlgate from before a change (git worktree, git archive): "
+        "its gateway is measured in the same run as `rlgate_baseline`",
+    )
     p.add_argument("--skip-litellm", action="store_true", help="stub and rlgate only")
     p.add_argument(
         "--load-generator",
@@ -372,7 +397,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the servers stop, the bench database is dropped
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     out = bench_gateway(
         args.database_url,
         args.cache_dir,
@@ -387,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
         args.workers,
         args.modes,
         args.warmup,
+        args.baseline_src,
     )
     if out["litellm_version"]:
         print(f"LiteLLM {out['litellm_version']}")

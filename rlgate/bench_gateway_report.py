@@ -2,9 +2,10 @@
 
 `results[mode][target]` is what `bench_load.measure` returns (``latency`` at
 a few clients, ``throughput`` per level, ``max_rps`` the best 2xx rate).
-Targets: ``stub``, ``litellm`` (unless skipped), and one rlgate per
-``--workers`` count: ``rlgate`` for the first, ``rlgate_w<N>`` for the others.
-Every rate counts 2xx answers only.
+Targets: ``stub``, ``litellm`` (unless skipped), one rlgate per
+``--workers`` count (``rlgate`` for the first, ``rlgate_w<N>`` for the others)
+and, with ``--baseline-src``, ``rlgate_baseline``: the gateway of another
+source tree, with the first count. Every rate counts 2xx answers only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 OVERLOAD_LEVEL = 512  # the level whose 2xx rate, against the best, is `r512_fraction`
+BASELINE = "rlgate_baseline"  # the target of `--baseline-src`
 
 
 def target_name(workers: int, first: int) -> str:
@@ -65,6 +67,17 @@ def mode_figures(r: dict[str, Any], workers: list[int], lite: bool) -> dict[str,
             base = out["max_rps"]
             other[f"vs_workers_{workers[0]}"] = round(other["max_rps"] / base, 2) if base else None
             out["workers"][str(w)] = other
+    if BASELINE in r:
+        base = _gateway_figures(r, BASELINE, lite)
+        base["rlgate_max_rps_over_this"] = (
+            round(out["max_rps"] / base["max_rps"], 2) if base["max_rps"] else None
+        )
+        base["rlgate_added_p50_over_this"] = (
+            round(out["rlgate_added_p50_ms"] / base["added_p50_ms"], 3)
+            if base["added_p50_ms"] > 0
+            else None
+        )
+        out["baseline"] = base
     return out
 
 
@@ -114,11 +127,13 @@ def figure_lines(out: dict[str, Any]) -> list[str]:
     """The per-mode figures, one line each, then the storage check."""
     lines = []
     for mode in out["modes"]:
-        figures = {k: v for k, v in out[mode].items() if k != "workers"}
+        figures = {k: v for k, v in out[mode].items() if k not in ("workers", "baseline")}
         lines.append(f"{mode}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
-        for w, other in out[mode].get("workers", {}).items():
-            lines.append(
-                f"{mode} --workers {w}: " + ", ".join(f"{k} {v}" for k, v in other.items())
-            )
+        others = {f"--workers {w}": f for w, f in out[mode].get("workers", {}).items()}
+        if "baseline" in out[mode]:
+            others["baseline"] = out[mode]["baseline"]
+        for label, other in others.items():
+            figures = ", ".join(f"{k} {v}" for k, v in other.items())
+            lines.append(f"{mode} {label}: {figures}")
     lines.append(f"rlgate answered {out['rlgate_answered']} (2xx), stored {out['rlgate_stored']}")
     return lines

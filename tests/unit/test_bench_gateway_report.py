@@ -91,3 +91,15 @@ def test_names_and_lines() -> None:
     assert "no answer within the window" in load_line("stream", "litellm", level(512, 0))
     out = summary({"plain": mode_results()}, [1, 2], {"rlgate": {"answered": 1, "stored": 1}}, True)
     assert any(ln.startswith("plain --workers 2:") for ln in figure_lines(out))
+
+
+def test_a_baseline_tree_is_reported_against_the_gateway_measured() -> None:
+    r = mode_results()
+    r["rlgate_baseline"] = target(level(4, 80, p50=30.0), level(32, 100), level(512, 50))
+    out = summary({"plain": r}, [1], {"rlgate": {"answered": 1, "stored": 1}}, True)
+    base = out["plain"]["baseline"]
+    assert base["max_rps"] == 100 and base["added_p50_ms"] == 10.0
+    assert base["rlgate_max_rps_over_this"] == 5.0  # 500 against 100
+    assert base["rlgate_added_p50_over_this"] == 0.5  # 5 ms added against 10
+    assert base["throughput_ratio"] == 2.0  # the baseline's own, against LiteLLM's 50
+    assert any(ln.startswith("plain baseline:") for ln in figure_lines(out))
