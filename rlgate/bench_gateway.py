@@ -6,7 +6,8 @@ output tokens) is reached three ways, with the same load generator in one run:
 * ``stub``: straight to the stub's OpenAI endpoint (the floor);
 * ``rlgate``: through rlgate (a run with ``backend: vllm`` pointing at the
   stub, capture on, PostgreSQL store); with ``--workers 1,2`` one gateway per
-  count, each its own run (``rlgate``, ``rlgate_w2``);
+  count, each its own run (``rlgate``, ``rlgate_w2``); with ``--baseline-src``
+  also the gateway of another source tree (``rlgate_baseline``: before/after);
 * ``litellm``: through LiteLLM's proxy (`bench_litellm.LITELLM_VERSION`, in
   its own venv) pointed at the stub.
 
@@ -20,12 +21,12 @@ are paid; the stub and LiteLLM get the same body on their chat route.
 
 The targets are measured one after another: the stub, each rlgate gateway
 (started, measured in every mode, stopped: each of its processes holds up to
-40 PostgreSQL connections), then LiteLLM.
-Latency: percentiles at `latency_concurrency` clients. Throughput: the best
-2xx requests/s over the closed-loop levels (a 429 or 5xx is never
-throughput; both are reported beside it), each counted after a `warmup` and
-started once the stub is idle (`settle`). Every 2xx answer of each rlgate
-gateway, warm-ups included, is then looked for in the database. The last line is JSON
+40 PostgreSQL connections), then LiteLLM. Latency: percentiles at
+`latency_concurrency` clients. Throughput: the best 2xx requests/s over the
+closed-loop levels (a 429 or 5xx is never throughput; both are reported
+beside it), each counted after a `warmup` and started once the stub is idle
+(`settle`). Every 2xx answer of each rlgate gateway, warm-ups included, is
+then looked for in the database. The last line is JSON
 (`bench_gateway_report.summary`).
 """
 
