@@ -50,6 +50,7 @@ from gateway.store.runs import (
 )
 from gateway.store.steps import done_steps, step_in_flight
 from inference.lora import ADAPTER_CONFIG, merge_adapter
+from inference.weight_sync import offer_path
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,12 @@ class RunAdmin:
             path = await checkpoint_of(s, run_id, version)
         if path is None:
             raise NotFound(f"run {run_id!r} has no version {version}", param="version")
+        if not Path(path).is_dir() and offer_path(Path(path)).is_file():
+            raise Conflict(
+                f"version {version} was sent to the inference servers (weight_sync "
+                "collective) but not saved yet: pausing the run writes it",
+                code="checkpoint_not_saved",
+            )
         if not Path(path).is_dir():
             raise Gone(
                 f"the checkpoint of version {version} was pruned (keep_checkpoints)",

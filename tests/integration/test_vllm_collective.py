@@ -123,12 +123,20 @@ def test_collective_weight_sync_on_vllm_cpu(
         versions = {v["version"]: v for v in admin.get(f"/admin/v1/runs/{run_id}/versions").json()}
     assert step0["status"] == "done" and step0["metrics"]["saved"] == 0.0
     assert versions[1]["checkpoint_available"] is False  # recorded, not yet exportable
+    with stack.admin() as admin:
+        r = admin.get(f"/admin/v1/runs/{run_id}/versions/1/checkpoint")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "checkpoint_not_saved"
     g1 = _greedy(stack, run, 1)
 
     # Pausing the run writes the version that was only offered.
     with stack.admin() as admin:
         assert admin.post(f"/admin/v1/runs/{run_id}/pause").status_code == 200
     _wait_saved(v1)
+    with (
+        stack.admin() as admin,
+        admin.stream("GET", f"/admin/v1/runs/{run_id}/versions/1/checkpoint") as r,
+    ):
+        assert r.status_code == 200  # exportable once saved
     assert g1["prompt_token_ids"] == g0["prompt_token_ids"]
     expected = reference.greedy(v1, g1["prompt_token_ids"], 10)
     assert g1["output_token_ids"] == expected[: len(g1["output_token_ids"])]
