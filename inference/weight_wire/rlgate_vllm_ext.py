@@ -33,15 +33,19 @@ class WeightReceiver:
         """This worker's rank in the server (one result per worker: their count)."""
         return int(self.rank)
 
-    def rlgate_receive_weights(self, rendezvous: str, timeout_s: str = "600") -> dict:
-        """Join the transfer as rank 1 + this worker's rank, then reload the model in place.
+    def rlgate_receive_weights(
+        self, rendezvous: str, rank_offset: str = "1", timeout_s: str = "600"
+    ) -> dict:
+        """Join the transfer as rank `rank_offset` + this worker's rank, then reload the model
+        in place. (`rank_offset` > 1: several servers in one transfer, each its own offset.)
 
         Arguments are strings (vLLM's `/collective_rpc` passes serialised values only).
         Nothing is loaded unless every byte arrived (`receive_weights`).
         """
         rdv = Rendezvous.from_json(json.loads(rendezvous))
+        rank = int(rank_offset) + int(self.rank)
         t0 = time.perf_counter()
-        weights = list(receive_weights(rdv, 1 + int(self.rank), float(timeout_s)))
+        weights = list(receive_weights(rdv, rank, float(timeout_s)))
         t1 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights))  # vLLM's in-place reload
         t2 = time.perf_counter()
