@@ -34,7 +34,8 @@ use, the limit grows by 5 % per tick; above it, it shrinks by 20 %. A call
 already admitted always finishes; only new ones wait.
 
 A call whose client disconnects while it waits is dropped when its turn
-comes, before any of its work (its body is read first to tell).
+comes, before any of its work (its body is read first to tell), and counted
+as status 499, nginx's "client closed request".
 
 The first call of an API key in a process is bounded by the process alone:
 its run is known once authentication has cached it (`RunKeyCache`), so
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import RateLimited, error_response
@@ -67,6 +69,7 @@ logger = logging.getLogger(__name__)
 SAMPLING_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MAX_RETRY_AFTER_S = 60.0  # what the openai SDK honours (newer versions: 120)
 MIN_RETRY_AFTER_S = 0.1
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left first
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,8 @@ class OverloadMiddleware:
                 first = await receive()
                 if first["type"] == "http.disconnect":
                     self.guard.abandoned += 1
+                    # nobody reads it; logged and counted as nginx's "client closed request"
+                    await Response(status_code=CLIENT_CLOSED)(scope, receive, send)
                     return
                 receive = _replay(first, receive)
             await self.app(scope, receive, send)
