@@ -200,3 +200,16 @@ async def test_a_call_whose_client_left_while_it_waited_is_never_started() -> No
     assert started == ["/v1/chat/completions"] and guard.abandoned == 1
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]
     assert guard.process.inflight == 0
+
+
+async def test_anthropic_paths_are_turned_away_in_anthropic_shape() -> None:
+    cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=1, queue_timeout_s=0.01)
+    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    await guard.process.acquire(later())  # the only slot is taken
+    transport = httpx.ASGITransport(app=_app(guard, asyncio.Event()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        resp = await client.post("/episodes/e1/v1/messages", json={})
+    assert resp.status_code == 429 and "retry-after-ms" in resp.headers
+    body = resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
+    assert guard.process.rejected["deadline"] == 1
