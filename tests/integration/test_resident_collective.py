@@ -31,7 +31,6 @@ from trainer.weight_sync import hf_state
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SYNC = dict(weight_sync="collective", save_every_steps=2)
-FSDP2 = RunConfig(**BASE, engine="fsdp", world_size=2, **SYNC)
 LOCAL = RunConfig(**BASE, **SYNC)
 
 
@@ -52,11 +51,13 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -
         assert (a[name] - b[name]).abs().max().item() <= tol, name
 
 
+@pytest.mark.parametrize("world_size", [2, 1])  # 1: one float32 rank runs unsharded
 def test_resident_ranks_offer_every_version_and_save_every_second(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, world_size: int
 ) -> None:
+    fsdp = RunConfig(**BASE, engine="fsdp", world_size=world_size, **SYNC)
     trainer = _trainer(tmp_path)
-    _seed(trainer, tiny_model_dir, FSDP2, "fsdp", 3)
+    _seed(trainer, tiny_model_dir, fsdp, "fsdp", 3)
     _seed(trainer, tiny_model_dir, LOCAL, "local", 3)
     root = trainer.settings.checkpoints_dir
     try:
