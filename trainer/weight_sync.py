@@ -115,6 +115,7 @@ class WeightServer:
         self.host = host
         self.timeout_s = timeout_s  # a receiver that never joins frees its transfer after this
         self._snapshots: dict[str, tuple[int, Packed]] = {}
+        self._reading: dict[int, int] = {}  # id(Packed) -> transfers sending it now
         self._lock = threading.Lock()
         self.transfers: list[dict[str, Any]] = []  # finished transfers, newest last (figures)
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
@@ -137,8 +138,15 @@ class WeightServer:
     def publish(self, run_id: str, version: int, state: dict[str, torch.Tensor]) -> None:
         """Make a copy of `state` (packed in its wire layout) the run's newest version.
 
-        The caller keeps `state` still while this runs (the step is over, under its lock)."""
-        packed = pack(state)
+        The caller keeps `state` still while this runs (the step is over, under its lock).
+        The older snapshot's buffers are reused unless a transfer still reads them; it is
+        withdrawn first, so a request for it meanwhile gets 409 as it would a moment later."""
+        with self._lock:
+            old = self._snapshots.get(run_id)
+            spare = old[1] if old is not None and not self._reading.get(id(old[1])) else None
+            if spare is not None:
+                del self._snapshots[run_id]
+        packed = pack(state, into=spare)
         with self._lock:
             self._snapshots[run_id] = (version, packed)
 
@@ -157,32 +165,46 @@ class WeightServer:
         """Open a transfer of the run's `version` to `receivers` ranks; sending starts at once
         in a thread of its own and waits for them (up to `timeout_s`). Returns the answer:
         the `Rendezvous`, and for protocol "torch" the tensors' names, dtypes and shapes."""
-        with self._lock:
+        with self._lock:  # one step with the count: `publish` must not reuse what is read
             entry = self._snapshots.get(run_id)
-        if entry is None or entry[0] != version:
-            have = None if entry is None else entry[0]
-            raise VersionGone(f"run {run_id}: v{version} asked, v{have} held")
-        packed = entry[1]
-        if protocol == "torch":
-            rdv = named_rendezvous(self.host, receivers, version)
-            send = partial(send_tensors, rdv, packed, "gloo", self.timeout_s)
-            answer = {**rdv.to_json(), "tensors": tensor_list(packed)}
-        else:
-            store, rdv = open_store(self.host, receivers, version, self.timeout_s)
-            send = partial(send_weights, store, rdv, packed, self.timeout_s)
-            answer = rdv.to_json()
-        threading.Thread(
-            target=self._send, args=(run_id, rdv, send), name="weight-send", daemon=True
-        ).start()
+            if entry is None or entry[0] != version:
+                have = None if entry is None else entry[0]
+                raise VersionGone(f"run {run_id}: v{version} asked, v{have} held")
+            packed = entry[1]
+            self._reading[id(packed)] = self._reading.get(id(packed), 0) + 1
+        try:
+            if protocol == "torch":
+                rdv = named_rendezvous(self.host, receivers, version)
+                send = partial(send_tensors, rdv, packed, "gloo", self.timeout_s)
+                answer = {**rdv.to_json(), "tensors": tensor_list(packed)}
+            else:
+                store, rdv = open_store(self.host, receivers, version, self.timeout_s)
+                send = partial(send_weights, store, rdv, packed, self.timeout_s)
+                answer = rdv.to_json()
+            threading.Thread(
+                target=self._send, args=(run_id, rdv, send, packed), name="weight-send", daemon=True
+            ).start()
+        except BaseException:
+            self._read(packed)
+            raise
         return answer
 
-    def _send(self, run_id: str, rdv: Rendezvous, send: Callable[[], int]) -> None:
+    def _read(self, packed: Packed) -> None:
+        """A transfer of `packed` ended."""
+        with self._lock:
+            left = self._reading.pop(id(packed)) - 1
+            if left:
+                self._reading[id(packed)] = left
+
+    def _send(self, run_id: str, rdv: Rendezvous, send: Callable[[], int], packed: Packed) -> None:
         t0 = time.perf_counter()
         try:
             nbytes = send()
         except Exception:
             logger.exception("run %s: transfer of v%d failed", run_id, rdv.version)
             return
+        finally:
+            self._read(packed)
         took = time.perf_counter() - t0
         self.transfers.append(
             {"run_id": run_id, "version": rdv.version, "bytes": nbytes, "seconds": took}

@@ -14,6 +14,7 @@ before `rlgate_receive_weights`, and resumed after it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -45,9 +46,13 @@ class WeightReceiver:
         rdv = Rendezvous.from_json(json.loads(rendezvous))
         rank = int(rank_offset) + int(self.rank)
         t0 = time.perf_counter()
-        weights = list(receive_weights(rdv, rank, float(timeout_s)))
+        # the last transfer's buffers: its tensors were copied into the model by its reload
+        spare = self.__dict__.setdefault("_rlgate_buffers", [])
+        weights = list(receive_weights(rdv, rank, float(timeout_s), spare))
         t1 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights))  # vLLM's in-place reload
+        if self._rlgate_aliased(spare):  # the model kept a view: never overwrite those bytes
+            spare.clear()
         t2 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         logger.info(
@@ -61,3 +66,14 @@ class WeightReceiver:
             "receive_s": t1 - t0,
             "load_s": t2 - t1,
         }
+
+    def _rlgate_aliased(self, bufs: list) -> bool:
+        """Whether any weight of the model lives in `bufs` (vLLM's loaders copy, but the
+        reuse of the buffers is only safe if that stays true)."""
+        ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
+        model = self.model_runner.get_model()
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            ptr = t.untyped_storage().data_ptr()
+            if any(lo <= ptr < hi for lo, hi in ranges):
+                return True
+        return False

@@ -148,12 +148,17 @@ class Packed:
         return _unpack(self.buckets, self.bufs)
 
 
-def pack(state: Mapping[str, torch.Tensor]) -> Packed:
-    """Copy `state` into its wire layout (a snapshot later changes to `state` do not reach)."""
+def pack(state: Mapping[str, torch.Tensor], into: Packed | None = None) -> Packed:
+    """Copy `state` into its wire layout (a snapshot later changes to `state` do not reach).
+
+    `into`: an older snapshot nobody reads any more, whose buffers are reused when the
+    layout is the same (fresh pages cost more than the copy itself).
+    """
     buckets = plan(state)
+    reuse = into is not None and into.buckets == buckets
     bufs = []
-    for bucket in buckets:
-        buf = torch.empty(bucket["nbytes"], dtype=torch.uint8)
+    for i, bucket in enumerate(buckets):
+        buf = into.bufs[i] if reuse else torch.empty(bucket["nbytes"], dtype=torch.uint8)
         for name, _, _, offset, nbytes in bucket["tensors"]:
             src = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
             buf[offset : offset + nbytes].copy_(src)
@@ -172,9 +177,13 @@ def send_weights(store: dist.Store, rdv: Rendezvous, packed: Packed, timeout_s: 
 
 
 def receive_weights(
-    rdv: Rendezvous, rank: int, timeout_s: float
+    rdv: Rendezvous, rank: int, timeout_s: float, spare: list[torch.Tensor] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A receiver's side: every tensor of the transfer, yielded only once all have arrived."""
+    """A receiver's side: every tensor of the transfer, yielded only once all have arrived.
+
+    `spare`: buffers of an earlier transfer whose tensors are no longer used; reused
+    where the sizes match, and replaced in the list by this transfer's buffers.
+    """
     store = dist.TCPStore(rdv.host, rdv.port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(f"rlgate/{rdv.transfer_id}/", store)
     meta = json.loads(prefixed.get(PLAN_KEY))
@@ -184,10 +193,14 @@ def receive_weights(
         )
     group = _group(store, rdv, rank, timeout_s)
     bufs = []
-    for bucket in meta["buckets"]:
-        buf = torch.empty(bucket["nbytes"], dtype=torch.uint8)
+    old = list(spare or [])
+    for i, bucket in enumerate(meta["buckets"]):
+        fits = i < len(old) and old[i].numel() == bucket["nbytes"]
+        buf = old[i] if fits else torch.empty(bucket["nbytes"], dtype=torch.uint8)
         _broadcast(group, buf)
         bufs.append(buf)
+    if spare is not None:
+        spare[:] = bufs
     return _unpack(meta["buckets"], bufs)
 
 

@@ -254,3 +254,18 @@ async def test_a_replica_that_joins_late_gets_the_offered_version(server: Weight
     assert status["b"]["healthy"] is True and status["b"]["version"] == 1
     assert "rlgate_receive_weights" in late.calls and _same(late.received[0], _state())
     await replicas.close()
+
+
+def test_publish_reuses_the_older_snapshot_unless_a_transfer_reads_it(
+    server: WeightServer,
+) -> None:
+    server.publish("r", 1, _state())
+    first = server._snapshots["r"][1]
+    server.publish("r", 2, _state())
+    second = server._snapshots["r"][1]
+    assert second.bufs[0] is first.bufs[0]  # no transfer read v1: its pages are reused
+    rdv = wire.Rendezvous.from_json(server.open("r", 2, 1))
+    moved = {k: v + 1 if v.is_floating_point() else v for k, v in _state().items()}
+    server.publish("r", 3, moved)  # v2 is being sent: v3 gets buffers of its own
+    assert server._snapshots["r"][1].bufs[0] is not second.bufs[0]
+    assert _same(dict(wire.receive_weights(rdv, 1, 60)), _state())  # v2 arrives whole
