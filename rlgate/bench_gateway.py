@@ -19,9 +19,9 @@ four-message history, on a fresh episode path per request for rlgate
 (``/episodes/<n>/v1/...``), so templating, tokenization and episode placement
 are paid; the stub and LiteLLM get the same body on their chat route.
 
-The targets are measured one after another: the stub, each rlgate gateway
-(started, measured in every mode, stopped: each of its processes holds up to
-40 PostgreSQL connections), then LiteLLM. Latency: percentiles at
+Mode by mode, the targets are measured in turn, each started for its mode's
+loads and stopped after them (each gateway process holds up to 40 PostgreSQL
+connections; one at a time). Latency: percentiles at
 `latency_concurrency` clients. Throughput: the best 2xx requests/s over the
 closed-loop levels (a 429 or 5xx is never throughput; both are reported
 beside it), each counted after a `warmup` and started once the stub is idle
@@ -50,6 +50,8 @@ from typing import Any
 from rlgate import bench_dirs
 from rlgate.bench_gateway_report import BASELINE, figure_lines, load_line, summary, target_name
 from rlgate.bench_load import Target, measure
+
+TargetOf = Callable[[str, dict, str], Target]  # (mode, body, route) -> how to reach a target
 
 PROMPT = list(range(100, 164))  # 64 prompt tokens
 ADMIN_KEY = "bench-admin"
@@ -260,52 +262,76 @@ def bench_gateway(
     stub_cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm"]
     stub_cmd += ["--port", str(stub_port), "--latency-ms", str(latency_ms)]
     stub_cmd += ["--output-tokens", str(output_tokens)]
-    stub_model = {"model": "stub-model"}
     lite_version = None
     results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, Any]] = {}  # rlgate target -> its run, created on first start
 
-    def measure_modes(name: str, target_of: Callable[[str, dict, str], Target]) -> None:
-        """Every mode on one target; `target_of(mode, body, route)` says how to reach it."""
-        for mode in modes:
-            route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
-            target = target_of(mode, mode_body(mode, output_tokens), route)
-            settled = partial(settle, stub_url)
-            m = measure(target, latency_concurrency, list(levels), seconds, loader, settled, warmup)
-            results.setdefault(mode, {})[name] = m
-            for level in (m["latency"], *m["throughput"]):
-                print(load_line(mode, name, level), file=sys.stderr)
+    @contextlib.contextmanager
+    def rlgate(name: str, workers: int, src: Path | None) -> Iterator[TargetOf]:
+        with contextlib.ExitStack() as gateway:
+            url = _start_gateway(gateway, tmp, db, cache_dir, workers, src)
+            if name not in runs:
+                runs[name] = _create_run(url, f"bench-{name}", stub_url)
+            yield partial(_rlgate_target, url, runs[name])
 
+    @contextlib.contextmanager
+    def litellm() -> Iterator[TargetOf]:
+        cmd = [str(lite_binary), "--config", str(tmp / "litellm.yaml")]
+        cmd += ["--host", "127.0.0.1", "--port", str(lite_port)]
+        with _process(cmd, tmp / "litellm.log") as lite:
+            _wait_http(lite_url + "/health/liveliness", lite)
+            yield partial(_litellm_target, lite_url, lite_key)
+
+    def stub_target(mode: str, body: dict, route: str) -> Target:
+        return stub_url, route, body | {"model": "stub-model"}, {}
+
+    # Mode by mode, each target in turn: a target is up only for its own mode's loads (one
+    # gateway at a time, each of its processes holding up to 40 database connections), and
+    # what other jobs do to the machine drifts over minutes between two targets, not the run.
+    targets: dict[str, Callable[[], contextlib.AbstractContextManager[TargetOf]]] = {
+        "stub": lambda: contextlib.nullcontext(stub_target)
+    }
+    for w in workers:
+        targets[target_name(w, workers[0])] = partial(rlgate, target_name(w, workers[0]), w, None)
+    if baseline_src is not None:
+        targets[BASELINE] = partial(rlgate, BASELINE, workers[0], baseline_src.resolve())
+    lite_key = "sk-" + secrets.token_hex(24)
+    if not skip_litellm:
+        lite_binary = bench_litellm.litellm_binary()  # installed now, not between two loads
+        lite_version = bench_litellm.installed_version()
+        targets["litellm"] = litellm
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(bench_dirs.work_dir("gw", work_dir))  # removed last
         db = stack.enter_context(fresh_database(database_url))
+        bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
         stub = stack.enter_context(_process(stub_cmd, tmp / "stub.log"))
         _wait_http(stub_url + "/health", stub)
-        measure_modes("stub", lambda _, body, route: (stub_url, route, body | stub_model, {}))
+        for mode in modes:
+            route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
+            body = mode_body(mode, output_tokens)
+            for name, start in targets.items():
+                with start() as target_of:
+                    settled = partial(settle, stub_url)
+                    m = measure(
+                        target_of(mode, body, route),
+                        latency_concurrency,
+                        list(levels),
+                        seconds,
+                        loader,
+                        settled,
+                        warmup,
+                    )
+                results.setdefault(mode, {})[name] = m
+                for level in (m["latency"], *m["throughput"]):
+                    print(load_line(mode, name, level), file=sys.stderr)
         stored = {}
-        gateways = [(target_name(w, workers[0]), w, None) for w in workers]
-        if baseline_src is not None:
-            gateways.append((BASELINE, workers[0], baseline_src.resolve()))
-        for name, w, src in gateways:
-            # one gateway at a time: each of its processes holds up to 40 database connections
-            with contextlib.ExitStack() as gateway:
-                url = _start_gateway(gateway, tmp, db, cache_dir, w, src)
-                run = _create_run(url, f"bench-{name}", stub_url)
-                measure_modes(name, partial(_rlgate_target, url, run))
+        for name, run in runs.items():
             answered = sum(
                 level["requests"] + level["warm_2xx"] + level["warm_ok"]
                 for r in results.values()
                 for level in (r[name]["latency"], *r[name]["throughput"])
             )
             stored[name] = {"answered": answered, **_count_stored(db, run["run_id"])}
-        if not skip_litellm:
-            lite_key = "sk-" + secrets.token_hex(24)
-            bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
-            lite_cmd = [str(bench_litellm.litellm_binary()), "--config", str(tmp / "litellm.yaml")]
-            lite_cmd += ["--host", "127.0.0.1", "--port", str(lite_port)]
-            lite = stack.enter_context(_process(lite_cmd, tmp / "litellm.log"))
-            lite_version = bench_litellm.installed_version()
-            _wait_http(lite_url + "/health/liveliness", lite)
-            measure_modes("litellm", partial(_litellm_target, lite_url, lite_key))
     return summary(
         results,
         list(workers),
