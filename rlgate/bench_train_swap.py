@@ -40,7 +40,8 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     from inference.weight_sync import CollectiveSource
     from rlgate.stack import free_port
     from trainer.hf_io import write_untied_hf
-    from trainer.weight_sync import WeightServer, hf_state, write_offer
+    from trainer.weight_sync import WeightServer, hf_state
+    from trainer.weight_sync_steps import write_offer
 
     python = install_vllm(log=work / "vllm-install.log")
     cfg = ServerConfig(

@@ -46,7 +46,7 @@ from trainer.batch import Sample
 from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples
 from trainer.resident_node import NodeSpec
 from trainer.resident_rank import SOCKET_ENV
-from trainer.weight_sync import write_offer
+from trainer.weight_sync_steps import write_offer
 
 logger = logging.getLogger(__name__)
 

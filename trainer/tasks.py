@@ -43,7 +43,8 @@ from trainer.launch import run_fsdp_step, write_samples
 from trainer.metrics_sinks import TrackedRun, make_sinks
 from trainer.resident_pool import ResidentPool
 from trainer.resident_protocol import Init
-from trainer.weight_sync import StepWeights, hf_state, newest_saved, save_due
+from trainer.weight_sync import hf_state
+from trainer.weight_sync_steps import StepWeights, newest_saved, save_due
 
 logger = logging.getLogger(__name__)
 

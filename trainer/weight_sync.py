@@ -21,10 +21,8 @@ Ordering contract (the whole sequence: docs/weight-sync.md):
 - a transfer reads the snapshot it started with: publishing the next
   version meanwhile replaces the run's entry, not the tensors being sent.
 
-`StepWeights` decides, per step of an in-process engine, whether the
-checkpoint is written (`disk`: every version; `collective`: every
-`save_every_steps` versions) and publishes the snapshot; it also writes the
-versions still unsaved on pause, stop and worker shutdown.
+When a version's checkpoint is written, and the offer file that tells the
+gateway about the snapshot: `trainer.weight_sync_steps`.
 """
 
 from __future__ import annotations
@@ -34,17 +32,15 @@ import logging
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from inference.weight_sync import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import (
     Packed,
     Rendezvous,
@@ -55,7 +51,6 @@ from inference.weight_wire.rlgate_weight_wire import (
     send_weights,
     tensor_list,
 )
-from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,20 +89,6 @@ def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
     return {k: v.detach() for k, v in state.items()}  # gathered CPU copies already
 
 
-def write_offer(checkpoint_dir: Path, url: str, version: int) -> Path:
-    """The offer of `version` next to its checkpoint directory (atomically)."""
-    path = offer_path(Path(checkpoint_dir))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"url": url, "version": version}))
-    tmp.replace(path)
-    return path
-
-
-def save_due(cfg: RunConfig, version: int) -> bool:
-    """Whether version `version`'s checkpoint is written when it is trained."""
-    return cfg.weight_sync == "disk" or version % cfg.save_every_steps == 0
-
-
 class WeightServer:
     """Per run, the newest version's weights, sent to inference servers on request (docstring)."""
 
@@ -117,7 +98,7 @@ class WeightServer:
         self._snapshots: dict[str, tuple[int, Packed]] = {}
         self._reading: dict[int, int] = {}  # id(Packed) -> transfers sending it now
         self._lock = threading.Lock()
-        self.transfers: list[dict[str, Any]] = []  # finished transfers, newest last (figures)
+        self.transfers: deque[dict[str, Any]] = deque(maxlen=100)  # the last ones (figures)
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.owner = self  # type: ignore[attr-defined]
@@ -259,125 +240,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt: str, *args: Any) -> None:
         logger.debug("weight server: " + fmt, *args)
-
-
-@dataclass
-class Unsaved:
-    """A version trained and offered but not yet written to its checkpoint directory."""
-
-    version: int
-    out_dir: Path
-    save: Callable[[], None]  # writes it (the engine still holds exactly this version)
-
-
-@dataclass
-class StepWeights:
-    """After each in-process step: write the checkpoint when due, offer the weights if
-    collective; write what is still unsaved when asked (pause, stop, worker shutdown)."""
-
-    host: str = "127.0.0.1"
-    server: WeightServer | None = None
-    unsaved: dict[str, Unsaved] = field(default_factory=dict)
-    locks: dict[str, threading.Lock] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _watcher: threading.Thread | None = None
-
-    def lock(self, run_id: str) -> threading.Lock:
-        """Held while the run's engine steps or saves (the pause watcher saves from a thread)."""
-        return self.locks.setdefault(run_id, threading.Lock())
-
-    def after_step(
-        self,
-        run_id: str,
-        cfg: RunConfig,
-        version: int,
-        out_dir: Path,
-        save: Callable[[], None],
-        state: Callable[[], dict[str, torch.Tensor]],
-    ) -> dict[str, float]:
-        """`version` was just trained: save and/or offer it. Returns the step's figures."""
-        t0 = time.perf_counter()
-        due = save_due(cfg, version)
-        if due:
-            save()
-        t1 = time.perf_counter()
-        if cfg.weight_sync == "collective":
-            if self.server is None:
-                self.server = WeightServer(self.host)
-            self.server.publish(run_id, version, state())
-            write_offer(out_dir, self.server.url_for(run_id), version)
-            if due:
-                self.unsaved.pop(run_id, None)
-            else:
-                self.unsaved[run_id] = Unsaved(version, out_dir, save)
-        return {"saved": float(due), "save_s": t1 - t0, "offer_s": time.perf_counter() - t1}
-
-    def save_unsaved(self, run_id: str) -> int | None:
-        """Write the run's unsaved version, if any; returns it. Takes the run's lock."""
-        with self.lock(run_id):
-            entry = self.unsaved.pop(run_id, None)
-            if entry is None or saved(entry.out_dir):
-                return None
-            entry.save()
-        logger.info("run %s: saved v%d (it was only offered)", run_id, entry.version)
-        return entry.version
-
-    def watch(self, run_active: Callable[[str], bool], every_s: float = 2.0) -> None:
-        """Save a run's unsaved version once it no longer trains (paused, stopped), from a
-        thread checking every `every_s`; `close` stops it."""
-
-        def loop() -> None:
-            while not self._stop.wait(every_s):
-                for run_id in list(self.unsaved):
-                    try:
-                        if not run_active(run_id):
-                            self.save_unsaved(run_id)
-                    except Exception:
-                        logger.exception("run %s: saving its unsaved version failed", run_id)
-
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=loop, name="unsaved-watch", daemon=True)
-            self._watcher.start()
-
-    def forget(self, run_id: str) -> None:
-        """The run's engine is gone (a failed step): nothing of it can be saved or sent."""
-        self.unsaved.pop(run_id, None)
-        if self.server is not None:
-            self.server.forget(run_id)
-
-    def close(self) -> None:
-        """Worker shutdown: write every unsaved version, stop serving."""
-        self._stop.set()
-        for run_id in list(self.unsaved):
-            try:
-                self.save_unsaved(run_id)
-            except Exception:
-                logger.exception("run %s: saving its unsaved version failed", run_id)
-        if self.server is not None:
-            self.server.close()
-
-
-def newest_saved(session: Any, run_id: str, version: int) -> Any:
-    """The newest `PolicyVersion` at or below `version` whose checkpoint is on disk, or None.
-
-    After a crash the versions that were only offered are gone: a fresh engine
-    starts from this one and keeps counting from `version` (docs/weight-sync.md).
-    """
-    from sqlalchemy import select
-
-    from gateway.store.models import PolicyVersion
-
-    stmt = (
-        select(PolicyVersion)
-        .where(PolicyVersion.run_id == run_id, PolicyVersion.version <= version)
-        .order_by(PolicyVersion.version.desc())
-    )
-    for pv in session.execute(stmt).scalars():
-        if pv.version == 0 or saved(Path(pv.checkpoint_path)):
-            if pv.version != version:
-                logger.warning(
-                    "run %s: v%d was never saved; its trainer starts from v%d's weights",
-                    run_id, version, pv.version,
-                )  # fmt: skip
-            return pv
-    return None
