@@ -12,6 +12,7 @@ OpenAI-style error event (`{"error": {...}}`) and nothing is stored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -174,7 +175,15 @@ class BackendStream:
 
     async def _store(self, result: GenerateResult) -> Completion:
         row = self.chat.completion_row(self.prep, self.id, None, result)
-        await self.chat.store([row], self.prep.placement.group_id)
+        try:
+            await self.chat.store([row], self.prep.placement.group_id)
+        except asyncio.CancelledError:
+            # The client went away while the row waited for its commit. The writer still
+            # commits it (`CaptureWriter.submit` is shielded), so `keep_partial` must not
+            # hand it over a second time: the duplicate failed its whole batch, which the
+            # writer then redid one transaction per request.
+            self.stored = True
+            raise
         self.stored = True
         return row
 
