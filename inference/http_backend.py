@@ -227,21 +227,51 @@ class HttpBackend(abc.ABC):
     async def load_weights(self, checkpoint_dir: Path | CollectiveSource, version: int) -> None:
         """Swap in place, in the order of the class docstring; step 3 receives the weights
         from the trainer instead of reloading them when given a `CollectiveSource`."""
-        source = checkpoint_dir
-        if not isinstance(source, CollectiveSource):
-            source = await self._check_checkpoint(Path(source), version)
+        source = await self._checked_source(checkpoint_dir, version)
+        async with self.quiesced(f"load v{version}"):
+            await self._swap_paused(source, version)
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, what: str) -> AsyncIterator[None]:
+        """Steps 1 and 2 held open: the gate closed and none of this client's requests in
+        flight (`what` names the reason in the drain's log), until the block exits.
+
+        For a swap that several clients of one server must agree on
+        (`gateway.services.swap_barrier`): inside, `reload_quiesced` reloads the server
+        and `set_version` adopts a version that another client had it load.
+        """
         async with self._swap_lock:
             self._base.gate.clear()
             try:
-                await self._drain(self._base, f"load v{version}")
-                await self._pause()
-                try:
-                    await self._load(source, version)
-                    self._base.version = version
-                finally:
-                    await self._resume()
+                await self._drain(self._base, what)
+                yield
             finally:
                 self._base.gate.set()
+
+    async def reload_quiesced(self, source: Path | CollectiveSource, version: int) -> None:
+        """Steps 3 and 4 of `load_weights`; the caller holds `quiesced`."""
+        await self._swap_paused(await self._checked_source(source, version), version)
+
+    def set_version(self, version: int) -> None:
+        """Label later requests `version` without reloading: another client of the same
+        server had it load that version. The caller holds `quiesced`."""
+        self._base.version = version
+
+    async def _checked_source(
+        self, source: Path | CollectiveSource, version: int
+    ) -> Path | CollectiveSource:
+        if isinstance(source, CollectiveSource):
+            return source
+        return await self._check_checkpoint(Path(source), version)
+
+    async def _swap_paused(self, source: Path | CollectiveSource, version: int) -> None:
+        """Pause, load, resume (even after a failed load); the version only if it loaded."""
+        await self._pause()
+        try:
+            await self._load(source, version)
+            self._base.version = version
+        finally:
+            await self._resume()
         logger.info("%s at %s serves version %d (%s)", self.name, self.url, version, source)
 
     async def _load(self, source: Path | CollectiveSource, version: int) -> None:

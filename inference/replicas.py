@@ -213,6 +213,63 @@ class ReplicaSet:
             if failed:
                 raise BackendError(f"replicas {failed} could not load version {version}")
 
+    # --- a swap agreed with other clients of the same servers ---------------------
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, what: str) -> AsyncIterator[None]:
+        """Every replica's client with its gate closed and none of its requests in flight
+        (`HttpBackend.quiesced`), until the block exits; no rolling swap meanwhile.
+
+        All gates close first, then each replica drains, so requests stop at the gates
+        instead of moving to a replica that is still open.
+        """
+        if self._swap_lock is None:
+            self._swap_lock = asyncio.Lock()
+        async with self._swap_lock, contextlib.AsyncExitStack() as stack:
+            for replica in list(self._replicas):
+                await stack.enter_async_context(_quiesced(replica.backend, what))
+            yield
+
+    async def reload_quiesced(self, source: Any, version: int) -> None:
+        """Load `version` into every healthy replica behind, one after another; the caller
+        holds `quiesced`. Failures as in `load_weights` (the replica keeps its weights)."""
+        self._target = (source, version)
+        failed: list[str] = []
+        for replica in list(self._replicas):
+            if not replica.healthy or replica.backend.version >= version:
+                continue
+            if self._backing_off(replica, version):
+                failed.append(replica.name)
+                continue
+            try:
+                await _reload_quiesced(replica.backend, source, version)
+                replica.failed_load = None
+            except Exception as exc:
+                failed.append(replica.name)
+                replica.last_error = f"load v{version}: {exc}"
+                retry_at = asyncio.get_running_loop().time() + self.config.load_retry_s
+                replica.failed_load = (version, retry_at)
+                logger.warning(
+                    "replica %s failed to load version %d: %s", replica.name, version, exc
+                )
+                if not await self._probe(replica):
+                    self._take_out(replica, replica.last_error)
+        if failed:
+            raise BackendError(f"replicas {failed} could not load version {version}")
+
+    def set_versions(self, versions: dict[str, int], target: tuple[Any, int] | None) -> None:
+        """Adopt the versions another client had the replicas load (by replica name), without
+        reloading; the caller holds `quiesced`. `target`: the weights a returning replica gets."""
+        for replica in self._replicas:
+            if replica.name in versions:
+                _set_version(replica.backend, versions[replica.name])
+        if target is not None:
+            self._target = target
+
+    def versions(self) -> dict[str, int]:
+        """The version each replica's client labels its results with, by replica name."""
+        return {r.name: r.backend.version for r in self._replicas}
+
     def adapter_version(self, name: str) -> int | None:
         versions = [
             v for r in self._replicas if r.routable and (v := r.adapter_version(name)) is not None
@@ -498,6 +555,22 @@ class ReplicaSet:
             return False
         finally:
             replica.loading = False
+
+
+def _quiesced(backend: Backend, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+    """`backend`'s `quiesced` (an `HttpBackend`'s); refused for one without it."""
+    quiesced = getattr(backend, "quiesced", None)
+    if quiesced is None:
+        raise BackendError(f"{backend!r} cannot hold a swap agreed with other clients")
+    return quiesced(what)
+
+
+async def _reload_quiesced(backend: Backend, source: Any, version: int) -> None:
+    await backend.reload_quiesced(source, version)  # type: ignore[attr-defined]
+
+
+def _set_version(backend: Backend, version: int) -> None:
+    backend.set_version(version)  # type: ignore[attr-defined]
 
 
 class ReplicaStream:
