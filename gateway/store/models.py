@@ -63,6 +63,9 @@ class RunReplica(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     url: Mapped[str] = mapped_column(String(500), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The version the server holds, written by the gateway process that had it load that
+    # version, before the other processes adopt it (gateway/services/swap_barrier.py).
+    served_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ApiKey(Base):
