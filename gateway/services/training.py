@@ -26,6 +26,7 @@ from gateway.store.runs import active_run_ids, checkpoint_of, claim_signature, l
 from gateway.store.status import StepStatus
 from gateway.store.steps import delete_step, step_busy, step_in_flight
 from inference import registry
+from inference.replicas import ReplicaSet
 from inference.weight_sync import weights_source
 from trainer.config import RunConfig
 from trainer.submit import submit_train_step
@@ -219,6 +220,15 @@ class WeightSync:
 
     Every gateway process runs its own `WeightSync` on its own backends; only
     the leader's loop also schedules training (`gateway.services.leader`).
+    On PostgreSQL, where other processes may hold clients of the same servers,
+    a remote run swaps through the pool's `SwapBarrier` instead
+    (`gateway.services.swap_barrier`): every process drains, one reloads each
+    server once, and all label with the version the server holds. Each run's
+    swap then runs in a task of its own, so that a swap waiting for the other
+    processes never keeps this process from noticing another run's (two
+    processes each waiting on the run the other has not yet looked at would
+    wait forever). LoRA runs still swap their adapter per process (the gap in
+    docs/deployment.md).
     """
 
     def __init__(
@@ -232,15 +242,37 @@ class WeightSync:
         self.pool = pool
         self.scheduler = scheduler
         self.interval_s = interval_s
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # barrier swaps under way, per run
 
     async def sync_once(self) -> None:
+        if getattr(self.pool, "barrier", None) is not None:
+            self._start_barrier_syncs()
+            return
         for run_id, serving in self.pool.loaded().items():
             try:
                 await self._sync_run(run_id, serving)
             except Exception:  # one run's failed load must not stop the others
                 logger.exception("hot swap for run %s failed; will retry", run_id)
 
+    def _start_barrier_syncs(self) -> None:
+        for run_id, serving in self.pool.loaded().items():
+            if run_id not in self._tasks:
+                task = asyncio.create_task(
+                    self._sync_logged(run_id, serving), name=f"swap-{run_id}"
+                )
+                self._tasks[run_id] = task
+                task.add_done_callback(lambda _, run_id=run_id: self._tasks.pop(run_id, None))
+
+    async def _sync_logged(self, run_id: str, serving: RunServing) -> None:
+        try:
+            await self._sync_run(run_id, serving)
+        except Exception:
+            logger.exception("hot swap for run %s failed; will retry", run_id)
+
     async def _sync_run(self, run_id: str, serving: RunServing) -> None:
+        barrier = getattr(self.pool, "barrier", None)
+        if barrier is not None and isinstance(serving.backend, ReplicaSet):
+            await barrier.check(run_id, serving.backend)  # its lock held, or taken again
         async with self.sessions() as s:
             run = await s.get(Run, run_id)
             if run is None or run.current_version <= serving.backend.version:
@@ -252,10 +284,22 @@ class WeightSync:
             return
         # a remote run's trainer may offer the version over a collective (weight_sync)
         source = weights_source(Path(ckpt), target) if remote else Path(ckpt)
-        await serving.backend.load_weights(source, target)
+        if barrier is not None and isinstance(serving.backend, ReplicaSet):
+            await barrier.swap(run_id, serving.backend, source, target)
+            if serving.backend.version < target:
+                return  # some server did not load it; retried after the barrier's retry_s
+        else:
+            await serving.backend.load_weights(source, target)
         logger.info("run %s now serves version %d", run_id, target)
 
     async def run_forever(self) -> None:
+        try:
+            await self._loop()
+        finally:
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    async def _loop(self) -> None:
         while True:
             try:
                 await self.sync_once()
