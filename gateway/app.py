@@ -49,6 +49,7 @@ from gateway.services.rewards import RewardService
 from gateway.services.run_replicas import ReplicaService
 from gateway.services.run_status import RunStatusService
 from gateway.services.runs import RunService
+from gateway.services.swap_barrier import make_swap_barrier
 from gateway.services.training import TrainingScheduler, WeightSync
 from gateway.store.db import make_async_engine
 from gateway.store.migrate import upgrade
@@ -78,6 +79,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             replica_config=settings.replica_config(),
             threads=settings.threads().backend,
         )
+        pool.barrier = make_swap_barrier(url, settings.replica_config().load_retry_s)
         celery = make_celery(settings.queue())
         leader = make_leader(url, settings.leader_interval_s)
         scheduler = TrainingScheduler(
@@ -126,6 +128,8 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
             await capture.close()  # answered completions are committed before the engine goes
             await close_admin_services(app.state)
             await pool.close()
+            if pool.barrier is not None:
+                await pool.barrier.close()
             await engine.dispose()
 
     # FastAPI's own OpenTelemetry hooks are off: rlgate exports Prometheus metrics itself, and

@@ -20,6 +20,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -29,6 +30,9 @@ from inference.chat_template import ChatTemplate
 from inference.lora_view import AdapterView
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.weight_sync import weights_source
+
+if TYPE_CHECKING:
+    from gateway.services.swap_barrier import SwapBarrier
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,8 @@ class BackendPool:
         self._serving: dict[str, RunServing] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[tuple[str, Path], SharedBase] = {}  # (kind, base dir) -> LoRA base
+        # PostgreSQL: the swap agreed with other gateway processes (gateway/services/swap_barrier)
+        self.barrier: SwapBarrier | None = None
 
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
@@ -218,8 +224,12 @@ class BackendPool:
                         break
                     except Exception as exc:  # a down replica: ask the next one
                         logger.warning("%s: %s", be, exc)
-            if version > 0 and ckpt is not None:  # from the trainer, if it offers the version
-                await replicas.load_weights(weights_source(ckpt, version), version)
+            # from the trainer, if it offers the version
+            source = weights_source(ckpt, version) if version > 0 and ckpt is not None else None
+            if self.barrier is not None:  # other gateway processes may serve these servers
+                await self.barrier.join(run_id, replicas, source, version)
+            elif source is not None:
+                await replicas.load_weights(source, version)
         except BaseException:
             await replicas.close()
             raise
@@ -276,6 +286,8 @@ class BackendPool:
                 await serving.backend.close()
         finally:
             await self._release_base(run_id)
+            if self.barrier is not None:
+                await self.barrier.leave(run_id)
 
     async def close(self) -> None:
         for run_id in list(self._serving):
