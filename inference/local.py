@@ -251,6 +251,9 @@ class LocalBackend:
                 _check_compatible(self.model.state_dict(), state)
                 with torch.no_grad():
                     self.model.load_state_dict(state, strict=True)
+                # Free the loaded copy before answering: freeing hundreds of MB holds the GIL
+                # for tens of ms, which would otherwise stall whatever runs right after the swap.
+                state.clear()
                 self._version = swap.version
                 logger.info("now serving version %d from %s", swap.version, swap.checkpoint_dir)
                 swap.future.set_result(None)

@@ -102,6 +102,13 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         end = stop
     if end != data.numel():
         raise AdapterError(f"{path}: the tensors do not fill the data")
+    dtypes = {meta["dtype"] for _, meta in entries}
+    if len(dtypes) == 1:  # the usual case: one dtype, so one view of the data and one per tensor
+        dtype = _SAFETENSORS_DTYPES[dtypes.pop()]
+        size = torch.empty((), dtype=dtype).element_size()
+        chunks = torch.split(data.view(dtype), [c // size for c in cuts])
+        pairs = zip(entries, chunks, strict=True)
+        return {name: chunk.view(meta["shape"]) for (name, meta), chunk in pairs}
     return {
         name: chunk.view(_SAFETENSORS_DTYPES[meta["dtype"]]).view(meta["shape"])
         for (name, meta), chunk in zip(entries, torch.split(data, cuts), strict=True)
