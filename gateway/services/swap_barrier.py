@@ -51,10 +51,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -65,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 SWAP_CLASS = 0x726C6777  # "rlgw"; the second key hashes the schema and the run id
 KEY = "hashtext(current_schema() || '/' || :run)"
+LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout ran out
 
 
 class RunLock:
@@ -85,6 +88,27 @@ class RunLock:
 
     async def release_exclusive(self) -> None:
         await self._call("pg_advisory_unlock")
+
+    async def exclusive_unless(self, done: Callable[[dict[str, int]], bool], poll_s: float) -> bool:
+        """Exclusive (True), or nothing held (False) once the record is `done` while we wait.
+
+        The request stays queued (so shared requests made meanwhile wait behind it) but
+        gives up every `poll_s` to read the record: a process that took shared at the new
+        version (one that joined during the swap) would otherwise never release it.
+        """
+        await self.conn.execute(text(f"SET lock_timeout = {max(1, int(poll_s * 1000))}"))
+        try:
+            while True:
+                try:
+                    await self.exclusive()
+                    return True
+                except DBAPIError as exc:
+                    if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                        raise
+                if done(await self.recorded()):
+                    return False
+        finally:
+            await self.conn.execute(text("SET lock_timeout = 0"))
 
     async def shared(self) -> None:
         await self._call("pg_advisory_lock_shared")
@@ -113,7 +137,7 @@ class RunLock:
 class SwapBarrier:
     """The swap agreed by every gateway process on a PostgreSQL store (module docstring)."""
 
-    def __init__(self, url: str, retry_s: float = 30.0) -> None:
+    def __init__(self, url: str, retry_s: float = 30.0, poll_s: float = 0.25) -> None:
         # Never pooled: a lock lives exactly as long as its connection.
         self._engine: AsyncEngine = create_async_engine(
             normalize_url(url, asynchronous=True),
@@ -122,6 +146,7 @@ class SwapBarrier:
             connect_args={"connect_timeout": 10},
         )
         self.retry_s = retry_s
+        self.poll_s = poll_s  # a waiting swap reads the record this often
         self._locks: dict[str, RunLock] = {}
         self._tried: dict[str, tuple[int, float]] = {}  # run -> (version, when) of a failed swap
 
@@ -168,22 +193,28 @@ class SwapBarrier:
     async def _swap(
         self, run_id: str, lock: RunLock, replicas: ReplicaSet, source: Any, version: int
     ) -> None:
+        def done(recorded: dict[str, int]) -> bool:
+            return all(recorded.get(name, 0) >= version for name in replicas.versions())
+
         async with replicas.quiesced(f"swap to v{version} with the other gateway processes"):
+            failed: BaseException | None = None
             try:
                 await lock.release_shared()
-                await lock.exclusive()
+                if await lock.exclusive_unless(done, self.poll_s):
+                    try:
+                        await self._swap_exclusive(lock, replicas, source, version)
+                    except Exception as exc:  # a server failed to load: serve on, then raise
+                        failed = exc
+                    await lock.release_exclusive()
+                else:
+                    logger.info("run %s: v%d adopted (recorded while waiting)", run_id, version)
+                await lock.shared()
+                replicas.set_versions(await lock.recorded(), (source, version))
             except BaseException:
                 await self.leave(run_id)  # the lock is in no known state: give it up
                 raise
-            try:
-                await self._swap_exclusive(lock, replicas, source, version)
-            finally:
-                try:
-                    await lock.release_exclusive()
-                    await lock.shared()
-                except BaseException:
-                    await self.leave(run_id)
-                    raise
+            if failed is not None:
+                raise failed
 
     async def _swap_exclusive(
         self, lock: RunLock, replicas: ReplicaSet, source: Any, version: int
@@ -194,7 +225,7 @@ class SwapBarrier:
             logger.info("run %s: v%d adopted (another process loaded it)", lock.run_id, version)
             return
         try:
-            await replicas.reload_quiesced(source, version)
+            await replicas.reload_quiesced(source, version)  # only the servers still behind
         finally:
             await lock.record(replicas.versions())
 
