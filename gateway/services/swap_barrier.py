@@ -23,8 +23,14 @@ The swap (`swap`), in every process whose `WeightSync` sees a newer version:
 3. read each server's version (`run_replicas.served_version`); a server behind
    is reloaded (only the first process through finds one), and what it now
    holds is written back before the lock goes;
-4. adopt the recorded versions as this process's labels, release exclusive,
-   take shared again, open the gates.
+4. release exclusive, take shared again, adopt the recorded versions as this
+   process's labels, open the gates.
+
+While it waits in step 2 the request gives way every `poll_s` to read the
+record, and a process that finds the version recorded skips to step 4. A
+process that joined during the swap holds shared at the new version and has
+no reason to release it; a late process queued behind it would otherwise
+wait for it forever.
 
 So each server is reloaded once per version, and a completion's version is
 the one its server held from its first token to its last. Requests wait at
@@ -41,7 +47,13 @@ Failure. A process that dies loses its connection, and its locks go with the
 session: a swap waits for no dead process, and a swapper that died mid-reload
 left the record behind, so the next process through reloads again. A version
 that some server failed to load is tried again after `retry_s`, not on every
-pass (each try closes every process's gates).
+pass (each try closes every process's gates). A process whose lock
+connection died (a database restart) finds out at its next pass (`check`)
+and, with its requests drained, takes shared again and adopts the record.
+
+Not covered: a LoRA run's adapter (`AdapterView`) still loads per process,
+and a replica that returns or is added is brought to the set's weights by each
+process as it admits it (docs/deployment.md).
 
 SQLite (one process): no barrier; `WeightSync` swaps its own clients.
 """
