@@ -179,7 +179,8 @@ class SwapBarrier:
                     await lock.record(replicas.versions())
                     await lock.release_exclusive()
             await lock.shared()  # after any swap under way, even one since the lines above
-            replicas.set_versions(await lock.recorded(), None)
+            target = (source, version) if source is not None else None
+            replicas.set_versions(await lock.recorded(), target)
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close()
@@ -206,7 +207,7 @@ class SwapBarrier:
         self, run_id: str, lock: RunLock, replicas: ReplicaSet, source: Any, version: int
     ) -> None:
         def done(recorded: dict[str, int]) -> bool:
-            return all(recorded.get(name, 0) >= version for name in replicas.versions())
+            return _caught_up(recorded, replicas, version)
 
         async with replicas.quiesced(f"swap to v{version} with the other gateway processes"):
             failed: BaseException | None = None
@@ -233,7 +234,7 @@ class SwapBarrier:
     ) -> None:
         recorded = await lock.recorded()
         replicas.set_versions(recorded, (source, version))
-        if all(recorded.get(name, 0) >= version for name in replicas.versions()):
+        if _caught_up(recorded, replicas, version):
             logger.info("run %s: v%d adopted (another process loaded it)", lock.run_id, version)
             return
         try:
@@ -278,6 +279,11 @@ class SwapBarrier:
         for run_id in list(self._locks):
             await self.leave(run_id)
         await self._engine.dispose()
+
+
+def _caught_up(recorded: dict[str, int], replicas: ReplicaSet, version: int) -> bool:
+    """Every server of `replicas` is recorded at `version` or later."""
+    return all(recorded.get(name, 0) >= version for name in replicas.versions())
 
 
 def make_swap_barrier(url: str, retry_s: float = 30.0) -> SwapBarrier | None:
