@@ -1,4 +1,4 @@
-"""The swap barrier's locks on a real PostgreSQL, with a stand-in vLLM server in its own process.
+"""The swap barrier's locks on a real PostgreSQL, with a stand-in vLLM or SGLang server.
 
 Each `SwapBarrier` below stands for one gateway process (its own lock
 connections, its own `ReplicaSet` of clients of the same server). Nothing
@@ -24,10 +24,10 @@ from gateway.services.swap_barrier import SWAP_CLASS, SwapBarrier
 from gateway.store.db import make_sync_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Run, RunReplica
+from inference import registry
 from inference.replicas import ReplicaSet
 from inference.stub_server import StubConfig, StubState, launch
 from inference.types import GenerateRequest, SamplingParams
-from inference.vllm_http import VLLMBackend
 from rlgate.stack import free_port, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -52,11 +52,16 @@ def pg_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         admin.close()
 
 
+@pytest.fixture(params=["vllm", "sglang"])
+def flavor(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture
-def stub_url(tmp_path: Path) -> Iterator[str]:
+def stub_url(tmp_path: Path, flavor: str) -> Iterator[str]:
     port = free_port()
     extra = ["--token-latency-ms", "150"]  # a request stays in flight for about a second
-    proc = launch("vllm", port, output_tokens=TOKENS, extra=extra, log=tmp_path / "stub.log")
+    proc = launch(flavor, port, output_tokens=TOKENS, extra=extra, log=tmp_path / "stub.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s=60)
@@ -73,9 +78,10 @@ def _seed(url: str, stub_url: str) -> None:
         s.add(RunReplica(run_id=RUN, url=stub_url, created_at=datetime.now(UTC)))
 
 
-def _process(url: str, stub_url: str) -> tuple[SwapBarrier, ReplicaSet]:
+def _process(url: str, stub_url: str, flavor: str) -> tuple[SwapBarrier, ReplicaSet]:
     """One gateway process's barrier and clients."""
-    return SwapBarrier(url), ReplicaSet([(stub_url, VLLMBackend.for_url(stub_url), stub_url)])
+    backend = registry.get(flavor).connect_to(stub_url)
+    return SwapBarrier(url), ReplicaSet([(stub_url, backend, stub_url)])
 
 
 def _stub(stub_url: str) -> dict:
@@ -121,10 +127,10 @@ def _sampled_by(prompt: list[int], output: list[int]) -> int | None:
 
 
 async def test_a_swap_waits_for_every_process_to_drain_then_reloads_once(
-    pg_url, stub_url, tiny_model_dir
+    pg_url, stub_url, flavor, tiny_model_dir
 ) -> None:
     _seed(pg_url, stub_url)
-    (a, set_a), (b, set_b) = _process(pg_url, stub_url), _process(pg_url, stub_url)
+    (a, set_a), (b, set_b) = _process(pg_url, stub_url, flavor), _process(pg_url, stub_url, flavor)
     try:
         await a.join(RUN, set_a, None, 0)
         await b.join(RUN, set_b, None, 0)
@@ -161,10 +167,10 @@ async def _process_joins(barrier: SwapBarrier, replicas: ReplicaSet, ckpt: Path)
 
 
 async def test_a_process_that_joins_during_a_swap_adopts_its_version(
-    pg_url, stub_url, tiny_model_dir
+    pg_url, stub_url, flavor, tiny_model_dir
 ) -> None:
     _seed(pg_url, stub_url)
-    procs = [_process(pg_url, stub_url) for _ in range(3)]
+    procs = [_process(pg_url, stub_url, flavor) for _ in range(3)]
     (a, set_a), (b, set_b), (c, set_c) = procs
     try:
         await a.join(RUN, set_a, None, 0)
@@ -188,10 +194,10 @@ async def test_a_process_that_joins_during_a_swap_adopts_its_version(
 
 
 async def test_a_dead_process_never_holds_a_swap_and_rejoins_at_the_new_version(
-    pg_url, stub_url, tiny_model_dir
+    pg_url, stub_url, flavor, tiny_model_dir
 ) -> None:
     _seed(pg_url, stub_url)
-    (a, set_a), (b, set_b) = _process(pg_url, stub_url), _process(pg_url, stub_url)
+    (a, set_a), (b, set_b) = _process(pg_url, stub_url, flavor), _process(pg_url, stub_url, flavor)
     try:
         await a.join(RUN, set_a, None, 0)
         await b.join(RUN, set_b, None, 0)
