@@ -83,9 +83,9 @@ async def test_concurrent_requests_are_batched(
     sizes: list[int] = []
     real = backend._generate_batch
 
-    def spy(requests):
-        sizes.append(len(requests))
-        return real(requests)
+    def spy(jobs, loaded):
+        sizes.append(len(jobs))
+        return real(jobs, loaded)
 
     monkeypatch.setattr(backend, "_generate_batch", spy)
     params = [
