@@ -30,25 +30,19 @@ import redis
 
 from rlgate.stack import free_port, stop, wait_healthy
 from tests.faults.load_agents import start_stub
+from tests.integration.conftest import fresh_database
 from tests.procs import alive, children_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"
 ADMIN = "workers-admin"
 
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    name = "rlgate_workers_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database() as url:
+        yield url
 
 
 @pytest.fixture

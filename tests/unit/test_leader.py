@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
 
 from gateway.services.leader import AdvisoryLockLeader, SoleLeader, make_leader
-
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+from tests.integration.conftest import fresh_database
 
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    name = "rlgate_leader_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database() as url:
+        yield url
 
 
 async def test_one_leads_and_another_takes_over_when_it_goes(pg_url: str) -> None:
