@@ -104,7 +104,17 @@ class AdvisoryLockLeader:
             await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:
-        """Release the lock (with its connection) so that another process leads at once."""
+        """Release the lock so that another process leads at once, then its connection.
+
+        Unlocked explicitly: the server releases a closed session's locks only once
+        its backend has seen the disconnect, a moment after `close` returns.
+        """
+        if self.is_leader and self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.execute(
+                    text("SELECT pg_advisory_unlock(:cls, hashtext(current_schema()))"),
+                    {"cls": self.lock_class},
+                )
         self.is_leader = False
         await self._drop()
         await self._engine.dispose()
