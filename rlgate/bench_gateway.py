@@ -265,13 +265,18 @@ def bench_gateway(
     lite_version = None
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}  # rlgate target -> its run, created on first start
+    dbs: dict[str, str] = {}  # rlgate target -> the database its run is stored in
 
     @contextlib.contextmanager
     def rlgate(name: str, workers: int, src: Path | None) -> Iterator[TargetOf]:
+        # another source tree's gateway gets a database of its own: its migrations may be
+        # older than the ones this tree has already applied to `db`
+        store = db if src is None else baseline_db
         with contextlib.ExitStack() as gateway:
-            url = _start_gateway(gateway, tmp, db, cache_dir, workers, src)
+            url = _start_gateway(gateway, tmp, store, cache_dir, workers, src)
             if name not in runs:
                 runs[name] = _create_run(url, f"bench-{name}", stub_url)
+                dbs[name] = store
             yield partial(_rlgate_target, url, runs[name])
 
     @contextlib.contextmanager
@@ -303,6 +308,7 @@ def bench_gateway(
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(bench_dirs.work_dir("gw", work_dir))  # removed last
         db = stack.enter_context(fresh_database(database_url))
+        baseline_db = stack.enter_context(fresh_database(database_url)) if baseline_src else db
         bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
         stub = stack.enter_context(_process(stub_cmd, tmp / "stub.log"))
         _wait_http(stub_url + "/health", stub)
@@ -331,7 +337,7 @@ def bench_gateway(
                 for r in results.values()
                 for level in (r[name]["latency"], *r[name]["throughput"])
             )
-            stored[name] = {"answered": answered, **_count_stored(db, run["run_id"])}
+            stored[name] = {"answered": answered, **_count_stored(dbs[name], run["run_id"])}
     return summary(
         results,
         list(workers),
