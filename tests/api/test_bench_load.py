@@ -16,10 +16,9 @@ import pytest
 
 from inference.stub_server import StubConfig, create_app, launch
 from rlgate.bench_load import load
-from rlgate.bench_wrk import available
 from rlgate.stack import free_port, stop, wait_healthy
 
-LOADERS = ["python", pytest.param("wrk", marks=pytest.mark.skipif(not available(), reason="wrk"))]
+LOADERS = ["python", pytest.param("wrk", marks=pytest.mark.wrk)]
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -82,7 +81,7 @@ def test_each_request_gets_its_own_path_and_429s_are_not_throughput(
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not available(), reason="wrk is not installed")
+@pytest.mark.wrk
 def test_wrk_against_a_full_stub_counts_no_throughput(tmp_path) -> None:
     port = free_port()
     proc = launch("vllm", port, extra=["--max-running", "0"], log=tmp_path / "stub.log")

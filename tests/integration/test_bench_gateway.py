@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from rlgate.bench_gateway import bench_gateway
-from rlgate.bench_wrk import available
 
 from .conftest import PG_ADMIN
 
@@ -45,7 +44,7 @@ def test_every_mode_through_rlgate_is_answered_and_stored(
     assert out["litellm_version"] is None and out["workers"] == [1]
 
 
-@pytest.mark.skipif(not available(), reason="wrk is not installed")
+@pytest.mark.wrk
 def test_chat_mode_opens_an_episode_per_request(model_cache_dir: Path, tmp_path: Path) -> None:
     out = short_bench(tmp_path, model_cache_dir, "wrk", ("chat",))
     stored = out["stored_by_target"]["rlgate"]
