@@ -13,11 +13,18 @@ Consistency contract:
 
 Only successful lookups are cached: an unknown key always reaches the
 database, so guessing keys cannot fill memory.
+
+Concurrent misses for one key share one lookup (when the entry expires
+under load, every agent of the run would otherwise read the database at
+once). A caller that arrives after an invalidation never joins a lookup
+that started before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,6 +40,7 @@ class RunKeyCache:
         self.max_entries = max_entries
         self.generation = 0
         self._entries: dict[str, tuple[Run, float]] = {}
+        self._lookups: dict[str, asyncio.Future[Run | None]] = {}
 
     def get(self, key_hash: str) -> Run | None:
         entry = self._entries.get(key_hash)
@@ -52,9 +60,36 @@ class RunKeyCache:
             self._entries.clear()
         self._entries[key_hash] = (run, time.monotonic() + self.ttl_s)
 
+    async def get_or_load(
+        self, key_hash: str, load: Callable[[], Awaitable[Run | None]]
+    ) -> Run | None:
+        """The cached run, else `load()`'s, shared with every concurrent miss of the key."""
+        run = self.get(key_hash)
+        if run is not None:
+            return run
+        lookup = self._lookups.get(key_hash)
+        if lookup is None:
+            lookup = asyncio.ensure_future(load())
+            self._lookups[key_hash] = lookup
+            lookup.add_done_callback(self._landed(key_hash, self.generation))
+        # shielded: one caller going away does not cancel the others' lookup
+        return await asyncio.shield(lookup)
+
+    def _landed(self, key_hash: str, generation: int) -> Callable[[asyncio.Future], None]:
+        def done(lookup: asyncio.Future[Run | None]) -> None:
+            if self._lookups.get(key_hash) is lookup:
+                del self._lookups[key_hash]
+            if not lookup.cancelled() and lookup.exception() is None:
+                run = lookup.result()
+                if run is not None:
+                    self.put(key_hash, run, generation)
+
+        return done
+
     def invalidate(self) -> None:
         self.generation += 1
         self._entries.clear()
+        self._lookups.clear()  # lookups in flight read the old state: nobody new joins them
 
 
 class InvalidateOnAdminWrite:

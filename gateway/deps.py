@@ -47,15 +47,14 @@ async def current_run(request: Request) -> Run:
     Looked up through the app's `RunKeyCache` (see there for when a change is seen).
     """
     key_hash = hash_key(_bearer(request))
-    cache = request.app.state.run_keys
-    run = cache.get(key_hash)
-    if run is None:
-        generation = cache.generation
+
+    async def lookup() -> Run | None:
         async with request.app.state.sessions() as s:
-            run = await run_for_key_hash(s, key_hash)
-        if run is None:
-            raise AuthenticationFailed("invalid API key", code="invalid_api_key")
-        cache.put(key_hash, run, generation)
+            return await run_for_key_hash(s, key_hash)
+
+    run = await request.app.state.run_keys.get_or_load(key_hash, lookup)
+    if run is None:
+        raise AuthenticationFailed("invalid API key", code="invalid_api_key")
     return run
 
 

@@ -50,6 +50,18 @@ waiter not admitted within the run's `admission_wait_s` gets 429 with
 default); a run paused or stopped meanwhile answers its usual 429 at once.
 Reservations (admitted, not stored) end when the episode shows up in the
 store, or after `reservation_ttl_s` for a request that failed before storing.
+
+The count. Counting the store for every new conversation cost three reads
+each (a third of the gateway's CPU under load, growing with the run's open
+episodes). So each process keeps one count per run, taken by one query that
+every concurrent caller shares, and a call that fits under a count at most
+`poll_s` old is admitted without reading the store. Within one process that
+count never under-counts: what it admitted since is in its reservations,
+and what the trainer consumed since only makes the true load smaller. A call
+that does not fit under the kept count is checked against a fresh one before
+it waits. What other gateway processes admitted shows up once their
+episodes are stored and the count is retaken (at most `poll_s` later), as
+their reservations never did; the capacity is a soft bound across processes.
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ from gateway.errors import RateLimited
 from gateway.services.episodes import Placement
 from gateway.store.episodes import stored_episode_ids, unconsumed_by_group
 from gateway.store.models import Run
+from gateway.store.runs import run_version
 from gateway.store.status import UNGROUPED
 from trainer.config import RunConfig
 
@@ -142,6 +155,10 @@ class _Gate:
     reserved: dict[str, tuple[float, str]] = field(default_factory=dict)  # id -> (until, group)
     waiters: deque[_Waiter] = field(default_factory=deque)
     poller: asyncio.Task | None = None
+    stored: Counter[str] = field(default_factory=Counter)  # unconsumed per group, last count
+    version: int = 0  # the run's newest version, read with the count
+    counted_at: float = float("-inf")  # monotonic time the last count started
+    counting: asyncio.Task[None] | None = None  # the count in flight, shared by its callers
 
 
 class Admission:
@@ -169,13 +186,15 @@ class Admission:
         if any(i in gate.reserved for i in ids):
             return  # a concurrent turn of an episode admitted here, not stored yet
         group = placement.group_id or UNGROUPED
-        async with self.sessions() as s:
-            if placement.link != "new" and await stored_episode_ids(s, run.id, ids):
-                return  # a named episode that exists: a later turn
-            if not gate.waiters:  # FIFO: nobody overtakes those already waiting
-                fresh = await s.get(Run, run.id)  # the caller's run may be a cached copy
-                lag = self._lag_of(fresh or run)
-                if fits(await self._load(s, run.id, gate), group, len(ids), cfg, lag):
+        if placement.link != "new":
+            async with self.sessions() as s:
+                if await stored_episode_ids(s, run.id, ids):
+                    return  # a named episode that exists: a later turn
+        if not gate.waiters:  # FIFO: nobody overtakes those already waiting
+            # the kept count first; a call it turns away gets a fresh count before it waits
+            for max_age_s in (self.poll_s, 0.0):
+                load = await self._load(run.id, gate, max_age_s)
+                if fits(load, group, len(ids), cfg, self._lag_of(run, gate)):
                     self._reserve(gate, ids, group)
                     return
         if cfg.admission_wait_s == 0:
@@ -198,9 +217,9 @@ class Admission:
 
     async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> Usage:
         """The run's capacity in force and what fills it, as this process sees it."""
-        gate = self._gates.get(run.id) or _Gate()
-        load = await self._load(s, run.id, gate)
-        lag = self._lag_of(run)
+        gate = self._gates.setdefault(run.id, _Gate())
+        load = await self._load(run.id, gate, 0.0)
+        lag = self._lag_of(run, gate)
         return Usage(
             capacity=capacity(cfg, lag),
             in_use=load.total(),
@@ -229,8 +248,8 @@ class Admission:
                 gate.waiters.clear()
                 return
             cfg = RunConfig.model_validate(run.config)
-            lag = self._lag_of(run)
-            load = await self._load(s, run_id, gate)
+        load = await self._load(run_id, gate, 0.0)
+        lag = self._lag_of(run, gate)
         blocked = False  # once one waiter does not fit, only those joining a group pass it
         for w in list(gate.waiters):
             if w.admitted.done():
@@ -247,27 +266,47 @@ class Admission:
             w.admitted.set_result(None)
             gate.waiters.remove(w)
 
-    def _lag_of(self, run: Run) -> int:
-        """Versions the run's backend in this process serves behind the store's newest."""
+    def _lag_of(self, run: Run, gate: _Gate) -> int:
+        """Versions the run's backend in this process serves behind the store's newest
+        (the caller's run may be a cached copy: the newer of it and the count's)."""
         serving = self.serving_version(run.id)
-        return 0 if serving is None else max(0, run.current_version - serving)
+        newest = max(run.current_version, gate.version)
+        return 0 if serving is None else max(0, newest - serving)
 
     def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
         until = time.monotonic() + self.reservation_ttl_s
         for i in ids:
             gate.reserved[i] = (until, group)
 
-    async def _load(self, s: AsyncSession, run_id: str, gate: _Gate) -> Counter[str]:
-        """Unconsumed episodes per group: the store's, plus reservations not stored yet."""
+    async def _load(self, run_id: str, gate: _Gate, max_age_s: float) -> Counter[str]:
+        """Unconsumed episodes per group: the store's as counted at most `max_age_s` ago
+        (counted again otherwise), plus reservations not stored yet."""
+        if time.monotonic() - gate.counted_at > max_age_s:
+            if gate.counting is None or gate.counting.done():
+                gate.counting = asyncio.create_task(self._count(run_id, gate))
+            await asyncio.shield(gate.counting)  # one count for every caller waiting on it
         now = time.monotonic()
         for i in [i for i, (until, _) in gate.reserved.items() if until < now]:
             del gate.reserved[i]
-        if gate.reserved:
-            for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
-                gate.reserved.pop(i, None)
-        load = Counter(await unconsumed_by_group(s, run_id))
+        load = Counter(gate.stored)
         load.update(group for _, group in gate.reserved.values())
         return load
+
+    async def _count(self, run_id: str, gate: _Gate) -> None:
+        """Count the store once: drop reservations now stored, keep the per-group count.
+
+        Stored reservations are read before the count, so an episode stored between
+        the two reads is counted twice (for a moment, the safe way), never not at all.
+        """
+        started = time.monotonic()
+        async with self.sessions() as s:
+            if gate.reserved:
+                for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
+                    gate.reserved.pop(i, None)
+            stored = Counter(await unconsumed_by_group(s, run_id))
+            version = await run_version(s, run_id)
+        gate.stored, gate.counted_at = stored, started
+        gate.version = max(gate.version, version or 0)
 
 
 def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:

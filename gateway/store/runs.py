@@ -25,6 +25,12 @@ async def current_versions(session: AsyncSession) -> dict[str, int]:
     return {r: int(v) for r, v in rows}
 
 
+async def run_version(session: AsyncSession, run_id: str) -> int | None:
+    """The run's newest policy version (None: no such run)."""
+    stmt = select(Run.current_version).where(Run.id == run_id)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
 def bump_counter(run: Run, name: str, by: int = 1) -> None:
     counters = dict(run.counters or {})
     counters[name] = int(counters.get(name, 0)) + by

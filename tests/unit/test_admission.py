@@ -261,3 +261,47 @@ async def test_capacity_counts_groups_so_sequentially_filled_groups_do_not_overs
     assert not fits(Counter({"a": 2, UNGROUPED: 2}), UNGROUPED, 1, cfg)
     assert fits(Counter({"a": 2, UNGROUPED: 1}), UNGROUPED, 1, cfg)  # fills its chunk
     assert units(Counter({"a": 3, UNGROUPED: 3}), 2) == 4
+
+
+async def test_concurrent_new_conversations_share_one_count_of_the_store(
+    sessions, monkeypatch
+) -> None:
+    # Counting the store per new conversation cost three reads each under load. Callers that
+    # arrive together share one count; within `poll_s` a call that fits reads nothing.
+    import gateway.services.admission as admission_module
+
+    counts = 0
+    real = admission_module.unconsumed_by_group
+
+    async def counted(s, run_id):
+        nonlocal counts
+        counts += 1
+        return await real(s, run_id)
+
+    monkeypatch.setattr(admission_module, "unconsumed_by_group", counted)
+    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
+    admission = Admission(sessions, poll_s=60)
+    await asyncio.gather(*(admission.admit(run, cfg, new(f"n{i}", link="new")) for i in range(20)))
+    assert counts == 1
+    await asyncio.gather(*(admission.admit(run, cfg, new(f"m{i}", link="new")) for i in range(20)))
+    assert counts == 1  # the kept count, with this process's 40 reservations on top
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).in_use == 41  # usage always counts afresh
+    assert counts == 2
+
+
+async def test_a_call_the_kept_count_turns_away_is_checked_against_a_fresh_count(
+    sessions,
+) -> None:
+    # The kept count only over-counts within a process (a step consumed since): a call it
+    # would turn away is admitted if the store, counted again, has room.
+    cfg = RunConfig(max_pending_episodes=2, admission_wait_s=0)
+    run = await seed(
+        sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN), "b": ("g", "open")}
+    )
+    admission = Admission(sessions, poll_s=60)
+    with pytest.raises(RateLimited):
+        await admission.admit(run, cfg, new("c", "h"))
+    await set_status(sessions, ["a"], status=EpisodeStatus.TRAINED)  # a step consumed one
+    await admission.admit(run, cfg, new("c", "h"))  # no 429 from the minute-old count

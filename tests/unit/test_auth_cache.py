@@ -41,3 +41,47 @@ def test_ttl_zero_caches_nothing_and_size_is_bounded() -> None:
     for i in range(3):
         small.put(f"h{i}", _run(str(i)), small.generation)
     assert small.get("h2") is not None and len(small._entries) <= 2
+
+
+async def test_concurrent_misses_share_one_lookup_and_nobody_joins_one_older_than_a_write() -> None:
+    import asyncio
+
+    cache = RunKeyCache(ttl_s=10)
+    calls = 0
+    release = asyncio.Event()
+
+    async def load() -> Run:
+        nonlocal calls
+        calls += 1
+        mine = calls
+        await release.wait()
+        return _run(str(mine))
+
+    async def settle() -> None:  # every task runs up to its first real wait
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    first = [asyncio.create_task(cache.get_or_load("h", load)) for _ in range(10)]
+    await settle()
+    assert calls == 1  # ten misses, one read of the store
+    cache.invalidate()  # an admin write lands while that read is in flight
+    late = asyncio.create_task(cache.get_or_load("h", load))
+    await settle()
+    assert calls == 2  # the late caller reads again: it must see the write
+    release.set()
+    assert {(await t).name for t in first} == {"1"}
+    assert (await late).name == "2"
+    assert cache.get("h").name == "2"  # the read from before the write was not cached
+
+
+async def test_an_unknown_key_is_looked_up_every_time() -> None:
+    cache = RunKeyCache(ttl_s=10)
+    calls = 0
+
+    async def load() -> None:
+        nonlocal calls
+        calls += 1
+
+    assert await cache.get_or_load("h", load) is None
+    assert await cache.get_or_load("h", load) is None
+    assert calls == 2
