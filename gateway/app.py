@@ -59,6 +59,10 @@ from trainer.celery_app import make_celery
 logger = logging.getLogger(__name__)
 
 EPISODE_PREFIXES = ("", "/episodes/{episode_id}", "/groups/{group_id}/episodes/{episode_id}")
+# Mounted under each of EPISODE_PREFIXES, first in the route table (hottest first).
+AGENT_ROUTERS = (chat, completions, messages, responses, rewards, models, run_status)
+# Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.
+ADMIN_ROUTERS = (replicas, keys, runs, export, episodes, metrics, quotas)
 
 
 def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
@@ -153,15 +157,16 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
     app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
     app.state.metrics.registry.register(OverloadCollector(app.state.overload))
 
+    # Agent routes first: every agent call walks the route table until its route matches,
+    # and no admin, dashboard or health path matches an agent route (tests/api/test_routes.py).
+    for prefix in EPISODE_PREFIXES:
+        for agent in AGENT_ROUTERS:
+            app.include_router(agent.router, prefix=prefix, include_in_schema=prefix == "")
     app.include_router(health.router)
-    # Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.
-    for admin in (replicas, keys, runs, export, episodes, metrics, quotas):
+    for admin in ADMIN_ROUTERS:
         app.include_router(admin.router)
     app.include_router(prometheus_router)
     install_dashboard(app)
-    for prefix in EPISODE_PREFIXES:
-        for agent in (chat, models, completions, responses, messages, rewards, run_status):
-            app.include_router(agent.router, prefix=prefix, include_in_schema=prefix == "")
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:

@@ -122,8 +122,8 @@ class Settings(BaseSettings):
     full_scan_s: float = Field(
         2.0,
         gt=0,
-        description="while nothing changed, re-read a run's open episodes for expiry and "
-        "group timeouts at most this often",
+        description="while nothing changed, re-read a run's open episodes at most this often "
+        "(and only once an episode may expire or a group time out, or 60 s passed)",
     )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="resend a train step queued or running longer than this"

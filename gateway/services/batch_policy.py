@@ -45,7 +45,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
@@ -114,6 +114,10 @@ class BatchDecision:
     expired: tuple[str, ...] = ()  # episode ids to mark expired
     groups: tuple[GroupDecision, ...] = ()  # every judged group, oldest first
     counters: dict[str, int] = field(default_factory=dict)  # run counter -> increment
+    # the first moment the clock alone changes a verdict (an open episode expires, a waiting
+    # group times out); None: nothing here changes by time. New rewards, a new version or
+    # a new episode joining a group change a decision too, and are not counted here.
+    next_change: datetime | None = None
 
     @property
     def chosen(self) -> list[GroupDecision]:
@@ -145,12 +149,15 @@ def select_batch(
     """
     expired: list[str] = []
     groups: dict[str, list[EpisodeSnapshot]] = defaultdict(list)
+    changes: list[datetime] = []  # when the clock alone would change a verdict
     for ep in episodes:
-        idle = (now - (ep.last_call_at or ep.created_at)).total_seconds()
-        if ep.status == EpisodeStatus.OPEN and idle > cfg.episode_timeout_s:
+        last = ep.last_call_at or ep.created_at
+        if ep.status == EpisodeStatus.OPEN and (now - last).total_seconds() > cfg.episode_timeout_s:
             expired.append(ep.id)
-        else:
-            groups[ep.group_id].append(ep)
+            continue
+        if ep.status == EpisodeStatus.OPEN:
+            changes.append(last + timedelta(seconds=cfg.episode_timeout_s))
+        groups[ep.group_id].append(ep)
     counters: dict[str, int] = {}
     _bump(counters, "expired_episodes", len(expired))
 
@@ -160,6 +167,9 @@ def select_batch(
     judged: list[GroupDecision] = []
     for members, pooled in candidates:
         verdict, judged_members = _judge(members, current_version, now, cfg)
+        if verdict is Verdict.WAITING:
+            started = min(e.created_at for e in members)
+            changes.append(started + timedelta(seconds=cfg.group_timeout_s))
         judged.append(
             GroupDecision(
                 group_id=members[0].group_id,
@@ -179,7 +189,12 @@ def select_batch(
     judged = _choose(judged, cfg)
     chosen_short = sum(1 for g in judged if g.verdict is Verdict.CHOSEN and g.short)
     _bump(counters, "trained_incomplete_groups", chosen_short)
-    return BatchDecision(expired=tuple(expired), groups=tuple(judged), counters=counters)
+    return BatchDecision(
+        expired=tuple(expired),
+        groups=tuple(judged),
+        counters=counters,
+        next_change=min(changes, default=None),
+    )
 
 
 def _judge(

@@ -34,6 +34,9 @@ from trainer.submit import submit_train_step
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per step, before the run is marked failed
+# A dry pass is repeated at least this often even if nothing it watches changed (a safety
+# net for edits the signature does not see, such as an operator's hand in the database).
+IDLE_RESCAN_S = 60.0
 
 
 class TrainingScheduler:
@@ -45,10 +48,15 @@ class TrainingScheduler:
     A full pass (`_decide`) reads every open episode of the run under the
     claim's lock, lets `batch_policy.select_batch` judge them and stores the
     verdicts. A pass that found nothing to train records the run's signature
-    (status, version, rewarded episodes); while that is unchanged, later
-    passes skip the full read for up to `full_scan_s`. New rewards, a new
-    version or a resumed run change it and are acted on at the next pass; what
-    only time changes (episode expiry, group timeouts) waits at most `full_scan_s`.
+    (status, version, rewarded episodes) and the first moment the clock alone
+    would change a verdict (an open episode expiring, a waiting group timing
+    out). While the signature is unchanged, later passes skip the full read
+    until that moment (at least `full_scan_s` after the pass, at most
+    `IDLE_RESCAN_S`). New rewards, a new version or a resumed run change the
+    signature and are acted on at the next pass. New open episodes do not:
+    alone they never make a step. So a run with thousands of agents mid-episode
+    and nothing to train costs two indexed reads a pass, not a read of every
+    open episode every `full_scan_s`.
 
     Only the leader among the gateway processes sharing the store schedules
     (`gateway.services.leader`); in the others `maybe_schedule` does nothing.
@@ -68,7 +76,8 @@ class TrainingScheduler:
         self.step_timeout_s = step_timeout_s
         self.full_scan_s = full_scan_s
         self._locks: dict[str, asyncio.Lock] = {}
-        self._idle: dict[str, tuple[tuple, float]] = {}  # run -> (signature, when) of a dry pass
+        # run -> (signature, when, until) of a dry pass: skip passes until `until` (monotonic)
+        self._idle: dict[str, tuple[tuple, float, float]] = {}
         self.full_passes = 0  # a figure for tests: passes that read the whole batch
 
     async def maybe_schedule(self, run_id: str) -> int | None:
@@ -110,7 +119,7 @@ class TrainingScheduler:
                 return None
             signature = await claim_signature(s, run_id)
         idle = self._idle.get(run_id)
-        if idle and idle[0] == signature and time.monotonic() - idle[1] < self.full_scan_s:
+        if idle and idle[0] == signature and time.monotonic() < idle[2]:
             return None  # nothing changed since a pass that found nothing
         self._idle.pop(run_id, None)
         async with self.sessions.begin() as s:
@@ -133,7 +142,7 @@ class TrainingScheduler:
                 return flight.step, True
             decision = await self._decide(s, run)
             if not decision.chosen:
-                self._idle[run_id] = (signature, time.monotonic())
+                self._idle[run_id] = (signature, *self._skip_window(decision, now))
                 return None
             batch = decision.episode_ids
             step = run.current_version
@@ -165,6 +174,15 @@ class TrainingScheduler:
             await s.flush()
             await mark_queued(s, run_id, batch, step, Verdict.CHOSEN)
             return step, False
+
+    def _skip_window(self, decision: BatchDecision, now: datetime) -> tuple[float, float]:
+        """(when, until) in monotonic seconds: passes with an unchanged signature skip the
+        full read until the clock changes a verdict, within [full_scan_s, IDLE_RESCAN_S]."""
+        passed = time.monotonic()
+        wait_s = IDLE_RESCAN_S
+        if decision.next_change is not None:
+            wait_s = min(wait_s, (decision.next_change - now).total_seconds())
+        return passed, passed + max(self.full_scan_s, wait_s)
 
     async def _decide(self, s: AsyncSession, run: Run) -> BatchDecision:
         """One full pass: read the pending episodes, judge them, store the verdicts.

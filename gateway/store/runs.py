@@ -74,11 +74,11 @@ def lock_run_sync(session: Session, run_id: str) -> None:
 async def claim_signature(session: AsyncSession, run_id: str) -> tuple:
     """What a claim's outcome depends on, besides the clock: cheap to read (two indexed queries).
 
-    (run status, current version, rewarded episodes waiting, their latest reward time).
+    (run status, current version, config, rewarded episodes waiting, their latest reward
+    time).
     """
-    run = (
-        await session.execute(select(Run.status, Run.current_version).where(Run.id == run_id))
-    ).one_or_none()
+    stmt = select(Run.status, Run.current_version, Run.config).where(Run.id == run_id)
+    run = (await session.execute(stmt)).one_or_none()
     waiting = (
         await session.execute(
             select(func.count(), func.max(Episode.rewarded_at)).where(

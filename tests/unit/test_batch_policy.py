@@ -295,3 +295,18 @@ def test_zero_variance_groups_train_still_drops_a_stale_group() -> None:
     snapshot = [ep("a", "g", reward=0.0, version=3), ep("b", "g", reward=0.0)]
     decision = select_batch(snapshot, VERSION, NOW, cfg)
     assert verdicts(decision) == [("g", ("a", "b"), Verdict.STALE)]
+
+
+def test_next_change_is_the_first_expiry_or_group_timeout_still_ahead() -> None:
+    # The scheduler skips its full pass until then while nothing else changed.
+    snapshot = [
+        open_ep("a", "g1", age=500, idle=70),  # expires in 30 s
+        ep("b", "g2", reward=1.0, age=30),  # g2 waits for its second member: judged in 20 s
+        open_ep("c", "g3", age=20),  # expires in 80 s; g3 judged in 30 s
+        ep("d", "g4", reward=1.0, age=60),  # g4 timed out already: its verdict is final
+    ]
+    decision = select_batch(snapshot, VERSION, NOW, CFG)
+    assert decision.next_change == NOW + timedelta(seconds=20)
+    assert select_batch(snapshot[:1], VERSION, NOW, CFG).next_change == NOW + timedelta(seconds=30)
+    rewarded_only = [ep("e", "g5", age=60), ep("f", "g5", reward=0.0, age=60)]
+    assert select_batch(rewarded_only, VERSION, NOW, CFG).next_change is None  # nothing timed

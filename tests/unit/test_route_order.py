@@ -1,0 +1,36 @@
+"""Agent routes come first in the route table, which is safe only while no other path can match
+one of them (or be matched by one): each side starts with literal segments of its own."""
+
+from __future__ import annotations
+
+from gateway.app import ADMIN_ROUTERS, AGENT_ROUTERS, EPISODE_PREFIXES
+from gateway.dashboard.routes import PREFIX as DASHBOARD
+from gateway.metrics import router as prometheus_router
+from gateway.routes import health
+
+AGENT_STARTS = (
+    "/v1/",
+    "/episodes/{episode_id}/v1/",
+    "/groups/{group_id}/episodes/{episode_id}/v1/",
+)
+# the first segment of every agent path: anything else can never match an agent route
+AGENT_FIRST = ("v1", "episodes", "groups")
+
+
+def _paths(router) -> list[str]:
+    return [route.path for route in router.routes]
+
+
+def test_agent_routes_and_every_other_route_cannot_match_each_other() -> None:
+    agent = [
+        prefix + p for prefix in EPISODE_PREFIXES for r in AGENT_ROUTERS for p in _paths(r.router)
+    ]
+    assert len(agent) > 20
+    for path in agent:
+        assert path.startswith(AGENT_STARTS), path
+    others = [p for r in ADMIN_ROUTERS for p in _paths(r.router)]
+    others += _paths(health.router) + _paths(prometheus_router) + [DASHBOARD + "/"]
+    assert len(others) > 20
+    for path in others:
+        first = path.strip("/").split("/")[0]
+        assert first not in AGENT_FIRST and not first.startswith("{"), path
