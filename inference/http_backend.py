@@ -19,16 +19,21 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
+import aiohttp
 import httpx
+import yarl
 
 from inference.backend import BackendError
 from inference.http_common import (
     HttpBackendConfig,
     check_response,
     check_status,
+    end_stream,
     iter_sse,
-    json_body,
+    json_answer,
     make_client,
+    make_session,
+    post_json,
     transport_errors,
 )
 from inference.types import FinishReason, GenerateRequest, GenerateResult
@@ -115,6 +120,13 @@ class HttpBackend(abc.ABC):
     then fail with `BackendError`. When the server's reload of an adapter is
     not atomic (`adapter_reload_atomic` False: an unload then a load) and
     fails, the adapter is forgotten rather than served at an unknown version.
+
+    Clients. The sampling calls (`_post`, `_events`) go through an aiohttp
+    session, made on first use inside the running loop: the gateway forwards
+    every generation this way, and httpx cost several times as much CPU per
+    request. Control calls, health and model listing stay on httpx. A test that
+    injects an httpx `transport` gets httpx for everything, so a
+    `httpx.MockTransport` still sees every request.
     """
 
     name: ClassVar[str] = "HTTP server"  # the server's name in errors and logs, e.g. "vLLM"
@@ -130,6 +142,9 @@ class HttpBackend(abc.ABC):
     ) -> None:
         self.config = config
         self._client = make_client(config, transport)
+        self._aiohttp = transport is None  # an injected transport sees every request
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}  # parsed once per path
         self._base = Lane(version)  # every admitted request, whatever its adapter
         self._swap_lock = self._base.lock  # held while the server's base weights change
         self._adapters: dict[str, Lane] = {}  # loaded adapters by name
@@ -343,6 +358,9 @@ class HttpBackend(abc.ABC):
 
     async def close(self) -> None:
         await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # --- admission and drain ------------------------------------------------------------
 
@@ -453,18 +471,60 @@ class HttpBackend(abc.ABC):
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         """POST `body` to `path`; the answer's JSON (errors mapped as in `http_common`)."""
+        session = self._sampling_session()
         with transport_errors(f"{self.name} at {self.url}"):
-            resp = await self._client.post(path, json=body)
-        check_status(resp.status_code, resp.text, f"{self.name} POST {path}")
-        return json_body(resp, f"{self.name} POST {path}")
+            if session is None:
+                resp = await self._client.post(path, json=body)
+                status, raw = resp.status_code, resp.content
+            else:
+                async with await post_json(session, self._url(path), body) as answer:
+                    status, raw = answer.status, await answer.read()
+        what = f"{self.name} POST {path}"
+        if status >= 400:
+            check_status(status, raw.decode(errors="replace"), what)
+        return json_answer(raw, what)
 
     async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """POST `body` to `path` and yield the JSON events of its server-sent event stream."""
+        """POST `body` to `path` and yield the JSON events of its server-sent event stream.
+
+        Leaving early (an error, a cancelled stream, the caller closing the generator)
+        closes the connection, which makes the server abort the request.
+        """
+        what = f"{self.name} POST {path} (stream)"
+        session = self._sampling_session()
         with transport_errors(f"{self.name} at {self.url}"):
-            async with self._client.stream("POST", path, json=body) as resp:
-                await check_response(resp, f"{self.name} POST {path} (stream)")
-                async for event in iter_sse(resp):
+            if session is None:
+                async with self._client.stream("POST", path, json=body) as resp:
+                    await check_response(resp, what)
+                    async for event in iter_sse(resp.aiter_bytes()):
+                        yield event
+                return
+            answer = await post_json(session, self._url(path), body)
+            try:
+                if answer.status >= 400:
+                    detail = (await answer.read()).decode(errors="replace")
+                    check_status(answer.status, detail, what)
+                async for event in iter_sse(answer.content.iter_any()):
                     yield event
+            except BaseException:
+                answer.close()
+                raise
+            await end_stream(answer)
+
+    def _sampling_session(self) -> aiohttp.ClientSession | None:
+        """The aiohttp session of the sampling calls, made in the running loop on first use;
+        None when a test injected an httpx transport (then `_client` serves them)."""
+        if not self._aiohttp:
+            return None
+        if self._session is None:
+            self._session = make_session(self.config)
+        return self._session
+
+    def _url(self, path: str) -> yarl.URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = yarl.URL(self.config.base_url.rstrip("/") + path)
+        return url
 
     async def _control(self, path: str, **kwargs: Any) -> httpx.Response:
         """A pause/reload/resume call (`kwargs` go to httpx: json, params)."""

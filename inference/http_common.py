@@ -1,4 +1,8 @@
-"""HTTP plumbing of the HTTP backends (`inference.http_backend`): client, SSE, error mapping.
+"""HTTP plumbing of the HTTP backends (`inference.http_backend`): clients, SSE, error mapping.
+
+Two clients per backend: an aiohttp session for the sampling calls (the hot
+path: aiohttp's client costs a fraction of httpx's per request) and an httpx
+client for everything else (control calls, health, tests' injected transports).
 
 Error tree, as the gateway sees it (`inference.backend`)::
 
@@ -8,21 +12,41 @@ Error tree, as the gateway sees it (`inference.backend`)::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
+import yarl
 
 from inference.backend import BackendError, BackendOverloaded
 
 logger = logging.getLogger(__name__)
 
 OVERLOAD_HINTS = ("queue is full", "too many requests", "overloaded", "server busy")
+
+# Idle pooled connections are dropped before the server drops them (uvicorn, under vLLM and
+# SGLang, after 5 s), so a request seldom goes out on a connection the server is closing.
+KEEPALIVE_S = 4.0
+JSON_HEADERS = {"Content-Type": "application/json"}
+# A stream's body has usually ended when `data: [DONE]` arrives; wait this long for its end
+# so that the connection goes back to the pool instead of being closed.
+STREAM_END_S = 1.0
+# The connection broke before any answer arrived (a kept-alive connection the server closed as
+# the request went out): nothing was answered, so the request is sent once more. A connector
+# error (refused, unreachable) is not one of these: that server is down.
+UNANSWERED = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientConnectionResetError,
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +112,8 @@ class ShardedTransport(httpx.AsyncBaseTransport):
 def make_client(
     cfg: HttpBackendConfig, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """A pooled async client for one server; the caller closes it. Tests inject `transport`."""
+    """A pooled async client for one server (control calls; everything when a test injects
+    `transport`); the caller closes it."""
     return httpx.AsyncClient(
         base_url=cfg.base_url.rstrip("/"),
         timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
@@ -96,12 +121,67 @@ def make_client(
     )
 
 
+def make_session(cfg: HttpBackendConfig) -> aiohttp.ClientSession:
+    """The sampling calls' pooled session for one server; make it inside the running loop.
+
+    Timeouts as httpx's in `make_client`: `connect_timeout_s` to open a connection,
+    `read_timeout_s` of silence inside an answer, and as long to wait for a free
+    connection when all `max_connections` are busy (aiohttp's `connect` covers that
+    wait; httpx calls it the pool timeout). No total: a generation may run long.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.read_timeout_s,
+            sock_connect=cfg.connect_timeout_s,
+            sock_read=cfg.read_timeout_s,
+        ),
+        cookie_jar=aiohttp.DummyCookieJar(),  # inference servers set none; skip the parsing
+    )
+
+
+async def post_json(
+    session: aiohttp.ClientSession, url: yarl.URL, body: dict[str, Any]
+) -> aiohttp.ClientResponse:
+    """POST `body` as JSON; the response, its headers read. The caller releases it.
+
+    Resent once when the connection broke before any answer (`UNANSWERED`), like
+    `ShardedTransport` does for httpx; a refused connection is not resent.
+    """
+    data = orjson.dumps(body)
+    try:
+        return await session.post(url, data=data, headers=JSON_HEADERS)
+    except aiohttp.ClientConnectorError:
+        raise
+    except UNANSWERED as exc:
+        logger.info("resending POST %s: %r", url.path, exc)
+        return await session.post(url, data=data, headers=JSON_HEADERS)
+
+
+async def end_stream(resp: aiohttp.ClientResponse) -> None:
+    """Let go of a stream's response: its connection back to the pool if the body ended
+    (soon after `data: [DONE]`), else closed, which makes the server abort the request."""
+    try:
+        if not resp.content.at_eof():
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with asyncio.timeout(STREAM_END_S):
+                    while await resp.content.readany():
+                        pass
+    finally:
+        if resp.content.at_eof():
+            resp.release()
+        else:
+            resp.close()
+
+
 @contextlib.contextmanager
 def transport_errors(what: str) -> Iterator[None]:
-    """Turn httpx's connection and timeout errors into `BackendError` naming `what`."""
+    """Turn httpx's and aiohttp's connection and timeout errors into `BackendError` naming
+    `what`."""
     try:
         yield
-    except httpx.TransportError as exc:
+    except (httpx.TransportError, aiohttp.ClientError, TimeoutError) as exc:
         raise BackendError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -122,32 +202,68 @@ async def check_response(resp: httpx.Response, what: str) -> None:
         check_status(resp.status_code, body, what)
 
 
-def json_body(resp: httpx.Response, what: str) -> Any:
+def loads(raw: bytes) -> Any:
+    """JSON from bytes: orjson, falling back to `json` for what only it reads (NaN, Infinity).
+
+    Raises ValueError if it is not JSON.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def json_answer(raw: bytes, what: str) -> Any:
     """The answer's JSON; a body that is not JSON is a `BackendError` naming `what`."""
     try:
-        return resp.json()
+        return loads(raw)
     except ValueError as exc:
-        raise BackendError(f"{what}: answer is not JSON: {resp.text[:200]}") from exc
+        text = raw[:200].decode(errors="replace")
+        raise BackendError(f"{what}: answer is not JSON: {text}") from exc
 
 
-async def iter_sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+def json_body(resp: httpx.Response, what: str) -> Any:
+    """`json_answer` of an httpx response."""
+    return json_answer(resp.content, what)
+
+
+async def iter_sse(chunks: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of a `text/event-stream` body, until `data: [DONE]` or its end.
 
-    An event carrying an `error` object (vLLM and SGLang report mid-stream failures
-    this way) raises `BackendError`.
+    `chunks` is the body as it arrives, cut anywhere (httpx's `aiter_bytes`, aiohttp's
+    `content.iter_any`): lines are split here, with no limit on their length. An event
+    carrying an `error` object (vLLM and SGLang report mid-stream failures this way)
+    raises `BackendError`.
     """
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            event = json.loads(data)
-        except ValueError as exc:
-            raise BackendError(f"malformed event in stream: {data[:200]}") from exc
-        if isinstance(event, dict) and event.get("error"):
-            err = event["error"]
-            msg = err.get("message", err) if isinstance(err, dict) else err
-            raise BackendError(f"server error mid-stream: {msg}")
-        yield event
+    rest = b""
+    async for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            if (event := _sse_event(line)) is _DONE:
+                return
+            if event is not None:
+                yield event
+    if (event := _sse_event(rest)) is not None and event is not _DONE:
+        yield event  # a last line without its newline
+
+
+_DONE: Any = object()  # `data: [DONE]`
+
+
+def _sse_event(line: bytes) -> Any:
+    """The JSON event of one SSE line; None for other lines, `_DONE` at the end."""
+    if not line.startswith(b"data:"):
+        return None  # blank separators, comments, `event:` lines
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        event = loads(data)
+    except ValueError as exc:
+        text = data[:200].decode(errors="replace")
+        raise BackendError(f"malformed event in stream: {text}") from exc
+    if isinstance(event, dict) and event.get("error"):
+        err = event["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        raise BackendError(f"server error mid-stream: {msg}")
+    return event
