@@ -77,8 +77,12 @@ def check_request(run: Run, body: AgentRequest, kind: str) -> None:
         )
 
 
-def episode_ref(request: Request) -> EpisodeRef:
-    """Path first, then headers; the service falls back to `metadata`, then prefix matching."""
+async def episode_ref(request: Request) -> EpisodeRef:
+    """Path first, then headers; the service falls back to `metadata`, then prefix matching.
+
+    Dependencies here are `async def` though they never wait: FastAPI runs a plain `def`
+    dependency in a worker thread, a thread hop (and GIL hand-off) on every agent call.
+    """
     p, h = request.path_params, request.headers
     return EpisodeRef(
         episode_id=p.get("episode_id") or id_from_header(h.get("x-episode-id"), "episode_id"),
@@ -87,14 +91,14 @@ def episode_ref(request: Request) -> EpisodeRef:
     )
 
 
-def agent_base_url(request: Request) -> str:
+async def agent_base_url(request: Request) -> str:
     """The `base_url` an agent is given: the configured public URL, else the one called."""
     public = request.app.state.settings.public_url
     base = public.rstrip("/") if public else str(request.base_url).rstrip("/")
     return base + "/v1"
 
 
-def dashboard_page(request: Request) -> Session:
+async def dashboard_page(request: Request) -> Session:
     """A dashboard page's session; without one the browser goes to the login form."""
     session = current_session(request)
     if session is None:

@@ -25,7 +25,7 @@ from gateway.sse import event_stream, sse_events
 router = APIRouter()
 
 
-def messages_service(request: Request) -> MessagesService:
+async def messages_service(request: Request) -> MessagesService:
     return MessagesService(request.app.state.chat)
 
 

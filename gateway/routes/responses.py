@@ -16,7 +16,7 @@ from gateway.sse import event_stream, sse_events
 router = APIRouter()
 
 
-def responses_service(request: Request) -> ResponsesService:
+async def responses_service(request: Request) -> ResponsesService:
     return ResponsesService(request.app.state.chat, request.app.state.sessions)
 
 

@@ -34,3 +34,23 @@ def test_agent_routes_and_every_other_route_cannot_match_each_other() -> None:
     for path in others:
         first = path.strip("/").split("/")[0]
         assert first not in AGENT_FIRST and not first.startswith("{"), path
+
+
+def test_agent_routes_run_no_dependency_in_a_worker_thread() -> None:
+    # FastAPI runs a plain `def` dependency (or endpoint) in a thread pool: a thread hop and
+    # a GIL hand-off on every agent call, for functions that never block.
+    import inspect
+
+    def sync_calls(dependant) -> list[str]:
+        found = (
+            []
+            if dependant.call is None or inspect.iscoroutinefunction(dependant.call)
+            else [dependant.call.__qualname__]
+        )
+        for sub in dependant.dependencies:
+            found += sync_calls(sub)
+        return found
+
+    for agent in AGENT_ROUTERS:
+        for route in agent.router.routes:
+            assert sync_calls(route.dependant) == [], route.path
