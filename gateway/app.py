@@ -74,7 +74,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         url = settings.resolved_database_url
         if migrate:
             await asyncio.to_thread(upgrade, url)
-        engine = make_async_engine(url)
+        engine = make_async_engine(url, settings.db_pool_size)
         sessions = async_sessionmaker(engine, expire_on_commit=False)
         shared = settings.gateway_workers > 1  # other processes serve this store too
         pool = (RemoteOnlyPool if shared else BackendPool)(

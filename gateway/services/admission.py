@@ -186,17 +186,20 @@ class Admission:
         if any(i in gate.reserved for i in ids):
             return  # a concurrent turn of an episode admitted here, not stored yet
         group = placement.group_id or UNGROUPED
-        if placement.link != "new":
-            async with self.sessions() as s:
-                if await stored_episode_ids(s, run.id, ids):
-                    return  # a named episode that exists: a later turn
         if not gate.waiters:  # FIFO: nobody overtakes those already waiting
             # the kept count first; a call it turns away gets a fresh count before it waits
             for max_age_s in (self.poll_s, 0.0):
                 load = await self._load(run.id, gate, max_age_s)
                 if fits(load, group, len(ids), cfg, self._lag_of(run, gate)):
+                    # A named episode may exist already (a later turn): it is reserved all
+                    # the same, counted twice until the next count finds it stored. Asking
+                    # the store first would cost every new named conversation a read.
                     self._reserve(gate, ids, group)
                     return
+        if placement.link != "new":
+            async with self.sessions() as s:
+                if await stored_episode_ids(s, run.id, ids):
+                    return  # a named episode that exists: a later turn, never held
         if cfg.admission_wait_s == 0:
             raise _over_capacity(run, cfg)
         waiter = _Waiter(ids, group, asyncio.get_running_loop().create_future())

@@ -36,12 +36,13 @@ def make_sync_engine(url: str) -> Engine:
     return engine
 
 
-def make_async_engine(url: str) -> AsyncEngine:
+def make_async_engine(url: str, pool_size: int = 32) -> AsyncEngine:
     kw = {}
     if make_url(url).get_backend_name() == "postgresql":
-        # A gateway request holds a connection a few times (key, placement, group commit);
-        # past the pool, each checkout would open (and PostgreSQL fork) a new connection.
-        kw = {"pool_size": 20, "max_overflow": 20}
+        # A fixed pool, no overflow: a connection past the pool was opened for one request
+        # and closed after it, and PostgreSQL forks a backend for each (under load, those
+        # forks took more CPU than the queries). A request past the pool waits for one.
+        kw = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
     engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=True, **kw)
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

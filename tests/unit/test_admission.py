@@ -305,3 +305,26 @@ async def test_a_call_the_kept_count_turns_away_is_checked_against_a_fresh_count
         await admission.admit(run, cfg, new("c", "h"))
     await set_status(sessions, ["a"], status=EpisodeStatus.TRAINED)  # a step consumed one
     await admission.admit(run, cfg, new("c", "h"))  # no 429 from the minute-old count
+
+
+async def test_a_named_new_conversation_that_fits_reads_nothing_per_call(
+    sessions, monkeypatch
+) -> None:
+    # An agent on /episodes/<new id>/v1 used to cost a read "does this episode exist?" per
+    # call; now only a call that would be held asks (a later turn is never held).
+    import gateway.services.admission as admission_module
+
+    asked = 0
+    real = admission_module.stored_episode_ids
+
+    async def counted(s, run_id, ids):
+        nonlocal asked
+        asked += 1
+        return await real(s, run_id, ids)
+
+    monkeypatch.setattr(admission_module, "stored_episode_ids", counted)
+    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {})
+    admission = Admission(sessions, poll_s=60)
+    await asyncio.gather(*(admission.admit(run, cfg, new(f"p{i}", link="path")) for i in range(10)))
+    assert asked == 0
