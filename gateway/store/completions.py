@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 
-from sqlalchemy import Select, case, func, insert, select
+from sqlalchemy import Select, bindparam, case, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -37,6 +38,24 @@ async def insert_completions(session: AsyncSession, rows: list[Completion], now:
     await conn.execute(insert(Completion.__table__), values)
 
 
+# A prefix match is nearly always one row (the same episode's previous turn): read up to
+# this many candidates with one prebuilt statement and rank them here; past it, rank in SQL.
+_CANDIDATES = 64
+
+
+@functools.cache
+def _candidates_stmt(with_episode: bool) -> Select:
+    """Prebuilt once: building an ORM select per call cost more CPU than running it."""
+    stmt = select(Completion).where(
+        Completion.run_id == bindparam("run_id"),
+        Completion.conv_hash.in_(bindparam("hashes", expanding=True)),
+        Completion.created_at >= bindparam("since"),
+    )
+    if with_episode:
+        stmt = stmt.where(Completion.episode_id == bindparam("episode_id"))
+    return stmt.order_by(Completion.created_at.desc()).limit(_CANDIDATES + 1)
+
+
 async def find_by_conv_hash(
     session: AsyncSession,
     run_id: str,
@@ -49,6 +68,11 @@ async def find_by_conv_hash(
     each hash to its rank): one statement, however many hashes."""
     if not hashes:
         return None
+    params = {"run_id": run_id, "hashes": list(hashes), "since": since, "episode_id": episode_id}
+    stmt = _candidates_stmt(episode_id is not None)
+    found = list((await session.execute(stmt, params)).scalars())
+    if len(found) <= _CANDIDATES:
+        return max(found, key=lambda c: (hashes[c.conv_hash], c.created_at), default=None)
     stmt = select(Completion).where(
         Completion.run_id == run_id,
         Completion.conv_hash.in_(list(hashes)),
