@@ -117,6 +117,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         await leader.step()  # alone on its store, a process leads from its first request
         leader_task = asyncio.create_task(leader.run_forever(), name="leader")
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
+        prewarm_task = asyncio.create_task(app.state.chat.prewarm(), name="prewarm")
         adaptive = app.state.overload.adaptive
         lag_task = asyncio.create_task(
             adaptive.run_forever() if adaptive else asyncio.Event().wait(), name="overload-limit"
@@ -124,7 +125,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         try:
             yield
         finally:
-            for task in (sync_task, lag_task, leader_task):
+            for task in (prewarm_task, sync_task, lag_task, leader_task):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
