@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.auth_cache import InvalidateOnAdminWrite, RunKeyCache
 from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
+from gateway.gc_tuning import tune_for_serving
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware
 from gateway.metrics import router as prometheus_router
 from gateway.middleware import BodyLimit
@@ -50,6 +51,7 @@ from gateway.services.run_replicas import ReplicaService
 from gateway.services.run_status import RunStatusService
 from gateway.services.runs import RunService
 from gateway.services.swap_barrier import make_swap_barrier
+from gateway.services.table_stats import TableStats
 from gateway.services.training import TrainingScheduler, WeightSync
 from gateway.store.db import make_async_engine
 from gateway.store.migrate import upgrade
@@ -65,8 +67,9 @@ AGENT_ROUTERS = (chat, completions, messages, responses, rewards, models, run_st
 ADMIN_ROUTERS = (replicas, keys, runs, export, episodes, metrics, quotas)
 
 
-def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
-    """Build the gateway. `migrate` applies Alembic migrations at start (embedded default)."""
+def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = False) -> FastAPI:
+    """Build the gateway. `migrate` applies Alembic migrations at start (embedded default);
+    `tune_gc`: a server process's garbage-collector settings (`gateway.gc_tuning`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +120,13 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         await leader.step()  # alone on its store, a process leads from its first request
         leader_task = asyncio.create_task(leader.run_forever(), name="leader")
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
-        prewarm_task = asyncio.create_task(app.state.chat.prewarm(), name="prewarm")
+        prewarm_task = asyncio.create_task(prewarm(app.state.chat, tune_gc), name="prewarm")
+        app.state.table_stats = TableStats(engine)
+        stats_task = asyncio.create_task(
+            app.state.table_stats.run_forever(lambda: leader.is_leader), name="table-stats"
+        )
+        if tune_gc:
+            tune_for_serving()
         adaptive = app.state.overload.adaptive
         lag_task = asyncio.create_task(
             adaptive.run_forever() if adaptive else asyncio.Event().wait(), name="overload-limit"
@@ -125,7 +134,7 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         try:
             yield
         finally:
-            for task in (prewarm_task, sync_task, lag_task, leader_task):
+            for task in (prewarm_task, stats_task, sync_task, lag_task, leader_task):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -174,3 +183,10 @@ def create_app(settings: Settings, *, migrate: bool = True) -> FastAPI:
         return JSONResponse({"service": "rlgate", "docs": "/docs", "health": "/health"})
 
     return app
+
+
+async def prewarm(chat: ChatService, tune_gc: bool) -> None:
+    """The runs' serving prepared (`ChatService.prewarm`), then what it loaded frozen too."""
+    await chat.prewarm()
+    if tune_gc:
+        tune_for_serving()

@@ -37,7 +37,8 @@ def serve(settings: Settings, host: str, port: int, workers: int = 1) -> None:
     settings.resolved_admin_key(host)
     die_with_parent()  # when started by the demo, a bench or a test: stop with it
     if workers <= 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
+        app = create_app(settings, tune_gc=True)
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
         return
     settings = settings.model_copy(update={"gateway_workers": workers})
     settings.check_workers()
@@ -59,7 +60,7 @@ def app_from_env() -> FastAPI:
     """uvicorn's factory in each gateway process of `serve(workers=N)`."""
     configure_logging()
     die_with_parent()
-    return create_app(Settings(), migrate=False)
+    return create_app(Settings(), migrate=False, tune_gc=True)
 
 
 def main() -> None:
