@@ -97,8 +97,19 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.state.admin_key = settings.resolved_admin_key()
         app.state.sessions = sessions
         app.state.pool = pool
+        # On PostgreSQL the group commit has connections of its own, checked out once: no
+        # pool round trip (its pre-ping) per batch. A batch on a connection that died gets
+        # the outage's 503 and the next batch connects again.
+        capture_engine = (
+            make_async_engine(url, 2, pre_ping=False) if engine.dialect.name == "postgresql"
+            else None
+        )  # fmt: skip
         capture = CaptureWriter(
-            sessions, max_batch=settings.capture_max_batch, linger_s=settings.capture_linger_s
+            async_sessionmaker(capture_engine, expire_on_commit=False)
+            if capture_engine is not None
+            else sessions,
+            max_batch=settings.capture_max_batch,
+            linger_s=settings.capture_linger_s,
         )
         capture.start()
         app.state.capture = capture
@@ -140,6 +151,8 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
                     await task
             await leader.close()  # another process may lead at once
             await capture.close()  # answered completions are committed before the engine goes
+            if capture_engine is not None:
+                await capture_engine.dispose()
             await close_admin_services(app.state)
             await pool.close()
             if pool.barrier is not None:

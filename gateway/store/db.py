@@ -36,14 +36,18 @@ def make_sync_engine(url: str) -> Engine:
     return engine
 
 
-def make_async_engine(url: str, pool_size: int = 32) -> AsyncEngine:
+def make_async_engine(url: str, pool_size: int = 32, *, pre_ping: bool = True) -> AsyncEngine:
+    """`pre_ping`: check each connection as it leaves the pool (a round trip each time); a
+    user that keeps its connections busy and handles an outage itself can do without."""
     kw = {}
     if make_url(url).get_backend_name() == "postgresql":
         # A fixed pool, no overflow: a connection past the pool was opened for one request
         # and closed after it, and PostgreSQL forks a backend for each (under load, those
         # forks took more CPU than the queries). A request past the pool waits for one.
         kw = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
-    engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=True, **kw)
+    engine = create_async_engine(
+        normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping, **kw
+    )
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     return engine
