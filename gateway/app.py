@@ -198,8 +198,15 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
     return app
 
 
-async def prewarm(chat: ChatService, tune_gc: bool) -> None:
-    """The runs' serving prepared (`ChatService.prewarm`), then what it loaded frozen too."""
+async def prewarm(chat: ChatService, tune_gc: bool, interval_s: float = 2.0) -> None:
+    """The runs' serving prepared (`ChatService.prewarm`), then what it loaded frozen too;
+    then, every `interval_s`, the runs created or resumed since."""
     await chat.prewarm()
     if tune_gc:
         tune_for_serving()
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await chat.prewarm()
+        except Exception:  # the database away: the next pass tries again
+            logger.exception("preparing new runs failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from trainer.config import RunConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+PREWARM_RETRY_S = 60.0  # a run whose servers did not answer is not prepared again sooner
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class ChatService:
         self.capture = capture or CaptureWriter(sessions)
         self.reads = read_sessions(sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}
+        self._prewarm_failed: dict[str, float] = {}  # run -> when preparing it last failed
 
     async def serving(self, run: Run) -> RunServing:
         key = (run.id, run.current_version)
@@ -120,19 +123,26 @@ class ChatService:
         """Load what serving each active run on inference servers needs (its tokenizer, chat
         template and server clients) before its first call asks for it.
 
-        A fresh gateway process otherwise loads it inside its first call of each run,
-        about two seconds that its first callers wait (with `--workers N`, per process:
-        seen as a seconds-long p99 at 4 clients). Runs sampled in this process (`local`)
-        are left to their first call: each is a whole model in memory.
+        A gateway process otherwise loads it inside its first call of each run, about two
+        seconds that its first callers wait; with `--workers N`, in every process, and for
+        a run created after the processes started (one process serves the admin call that
+        creates it; the others hear of it at its first call). Called at start and then
+        every few seconds (`gateway.app`); a loaded run costs nothing here. Runs sampled in
+        this process (`local`) are left to their first call: each is a whole model in
+        memory. A run that failed to load is tried again after `PREWARM_RETRY_S`.
         """
         async with self.sessions() as s:
             runs = await list_runs(s)
+        now = time.monotonic()
         for run in runs:
             if run.status != "active" or not registry.get(run.backend).remote:
+                continue
+            if now - self._prewarm_failed.get(run.id, float("-inf")) < PREWARM_RETRY_S:
                 continue
             try:
                 await self.serving(run)
             except Exception:  # its first call reports what is wrong, as without this
+                self._prewarm_failed[run.id] = now
                 logger.warning("could not prepare run %s before its first call", run.id)
 
     async def prepare(

@@ -42,6 +42,13 @@ def serving(app: FastAPI) -> Iterator[str]:
         thread.join(30)
 
 
+def _until_loaded(app: FastAPI, run_id: str, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while run_id not in app.state.pool.loaded() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return run_id in app.state.pool.loaded()
+
+
 def test_a_new_process_loads_active_remote_runs_before_their_first_call(
     tmp_path: Path, model_cache_dir: Path, tiny_model_dir: Path
 ) -> None:
@@ -65,12 +72,15 @@ def test_a_new_process_loads_active_remote_runs_before_their_first_call(
         requests_before = httpx.get(stub_url + "/stub/state").json()["requests"]
         app = create_app(settings)  # a new process, as after a restart or with --workers N
         with serving(app):
-            deadline = time.monotonic() + 60
-            while run_id not in app.state.pool.loaded() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            loaded = set(app.state.pool.loaded())
-        assert run_id in loaded, "the active run was not prepared before any call"
-        assert other_id not in loaded, "a paused run is left to its first call"
+            assert _until_loaded(app, run_id), "the active run was not prepared before any call"
+            assert other_id not in app.state.pool.loaded(), "a paused run waits for its call"
+            # a run created through another process (here: another app on the same store)
+            # while this one serves is prepared here too, still without a call
+            with serving(create_app(settings)) as other_url:
+                body = {"name": "n", "model": "tiny", "backend": "vllm", "replicas": [stub_url]}
+                made = httpx.post(other_url + "/admin/v1/runs", json=body, headers=admin)
+                assert made.status_code == 201, made.text
+                assert _until_loaded(app, made.json()["run_id"]), "a new run was not prepared"
         # nothing was sampled to get there: no agent call reached the server
         assert httpx.get(stub_url + "/stub/state").json()["requests"] == requests_before
     finally:
