@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import sqlite3
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,25 @@ def gateway_settings(data_dir: Path, model_cache: Path, **overrides: Any) -> Set
         "model_cache_dir": model_cache,
     }
     return Settings(**(fields | overrides))
+
+
+@contextlib.contextmanager
+def serving_in_thread(app: Any) -> Iterator[str]:
+    """The real gateway `app` under uvicorn in a thread of this process; yields its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.config.port}"
+    try:
+        wait_healthy(url, timeout_s=90)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def launch_gateway(

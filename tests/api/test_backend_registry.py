@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from gateway.app import create_app
 from gateway.protocol import RunCreate
@@ -32,8 +30,8 @@ from inference.registry import BackendKind
 from inference.stub_server import StubConfig, StubState, flavor_of
 from rlgate.cli import build_parser
 from rlgate.settings import Settings
-from rlgate.stack import free_port, wait_healthy
-from tests.conftest import ADMIN_KEY, gateway_settings
+from rlgate.stack import free_port
+from tests.conftest import ADMIN_KEY, gateway_settings, serving_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -64,22 +62,9 @@ def stub_kind() -> Iterator[BackendKind]:
         registry.unregister(kind.name)
 
 
-@contextlib.contextmanager
-def gateway_in_process(settings: Settings) -> Iterator[str]:
+def gateway_in_process(settings: Settings) -> contextlib.AbstractContextManager[str]:
     """The real gateway app under uvicorn in a thread of this process; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=90)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return serving_in_thread(create_app(settings))
 
 
 def stored(db: Path, completion_id: str) -> dict:

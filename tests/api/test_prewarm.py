@@ -8,38 +8,19 @@ run's tokenizer and template inside its first call of the run (about two seconds
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
 from inference.stub_server import launch
 from rlgate.stack import free_port, stop, wait_healthy
-from tests.conftest import ADMIN_KEY, gateway_settings
+from tests.conftest import ADMIN_KEY, gateway_settings, serving_in_thread
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=90)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _until_loaded(app: FastAPI, run_id: str, timeout_s: float = 60) -> bool:
@@ -58,7 +39,7 @@ def test_a_new_process_loads_active_remote_runs_before_their_first_call(
     settings = gateway_settings(tmp_path / "data", model_cache_dir)
     try:
         wait_healthy(stub_url, stub, timeout_s=60)
-        with serving(create_app(settings)) as url:
+        with serving_in_thread(create_app(settings)) as url:
             admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
             body = {"name": "p", "model": "tiny", "backend": "vllm", "replicas": [stub_url]}
             created = httpx.post(url + "/admin/v1/runs", json=body, headers=admin, timeout=60)
@@ -71,12 +52,12 @@ def test_a_new_process_loads_active_remote_runs_before_their_first_call(
             assert r.status_code == 200, r.text
         requests_before = httpx.get(stub_url + "/stub/state").json()["requests"]
         app = create_app(settings)  # a new process, as after a restart or with --workers N
-        with serving(app):
+        with serving_in_thread(app):
             assert _until_loaded(app, run_id), "the active run was not prepared before any call"
             assert other_id not in app.state.pool.loaded(), "a paused run waits for its call"
             # a run created through another process (here: another app on the same store)
             # while this one serves is prepared here too, still without a call
-            with serving(create_app(settings)) as other_url:
+            with serving_in_thread(create_app(settings)) as other_url:
                 body = {"name": "n", "model": "tiny", "backend": "vllm", "replicas": [stub_url]}
                 made = httpx.post(other_url + "/admin/v1/runs", json=body, headers=admin)
                 assert made.status_code == 201, made.text
