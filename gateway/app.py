@@ -60,6 +60,8 @@ from trainer.celery_app import make_celery
 
 logger = logging.getLogger(__name__)
 
+PREPARE_AT_START_S = 15.0  # the most a starting process waits for its runs to be prepared
+
 EPISODE_PREFIXES = ("", "/episodes/{episode_id}", "/groups/{group_id}/episodes/{episode_id}")
 # Mounted under each of EPISODE_PREFIXES, first in the route table (hottest first).
 AGENT_ROUTERS = (chat, completions, messages, responses, rewards, models, run_status)
@@ -131,7 +133,14 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         await leader.step()  # alone on its store, a process leads from its first request
         leader_task = asyncio.create_task(leader.run_forever(), name="leader")
         sync_task = asyncio.create_task(sync.run_forever(), name="weight-sync")
-        prewarm_task = asyncio.create_task(prewarm(app.state.chat, tune_gc), name="prewarm")
+        prepared = asyncio.Event()
+        prewarm_task = asyncio.create_task(
+            prewarm(app.state.chat, tune_gc, prepared), name="prewarm"
+        )
+        # Serve once the active runs are prepared, so that no first call waits for a load;
+        # a store of many runs (or servers slow to answer) finishes in the background.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(prepared.wait(), PREPARE_AT_START_S)
         app.state.table_stats = TableStats(engine)
         stats_task = asyncio.create_task(
             app.state.table_stats.run_forever(lambda: leader.is_leader), name="table-stats"
@@ -198,12 +207,18 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
     return app
 
 
-async def prewarm(chat: ChatService, tune_gc: bool, interval_s: float = 2.0) -> None:
-    """The runs' serving prepared (`ChatService.prewarm`), then what it loaded frozen too;
-    then, every `interval_s`, the runs created or resumed since."""
-    await chat.prewarm()
+async def prewarm(
+    chat: ChatService, tune_gc: bool, prepared: asyncio.Event, interval_s: float = 2.0
+) -> None:
+    """The runs' serving prepared (`ChatService.prewarm`), then what it loaded frozen too
+    (`prepared` set); then, every `interval_s`, the runs created or resumed since."""
+    try:
+        await chat.prewarm()
+    except Exception:  # the database away at start: the loop below tries again
+        logger.exception("preparing the runs at start failed")
     if tune_gc:
         tune_for_serving()
+    prepared.set()
     while True:
         await asyncio.sleep(interval_s)
         try:
