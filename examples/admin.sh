@@ -34,7 +34,7 @@ curl -sSf "$url/admin/v1/workers" -H "$auth" | field '["pending_steps"]'
 
 # version 0's checkpoint (the base model) as a tar stream
 curl -sSf "$url/admin/v1/runs/$run_id/versions/0/checkpoint" -H "$auth" -o "/tmp/$run_id-v0.tar"
-tar tf "/tmp/$run_id-v0.tar" | head -3
+tar tf "/tmp/$run_id-v0.tar" | sed -n 1,3p  # sed reads it all: head could end tar with SIGPIPE
 rm -f "/tmp/$run_id-v0.tar"
 
 curl -sSf "$url/metrics" | grep "^rlgate_episodes{run_id=\"$run_id\""

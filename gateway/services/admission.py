@@ -221,7 +221,11 @@ class Admission:
     async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> Usage:
         """The run's capacity in force and what fills it, as this process sees it."""
         gate = self._gates.setdefault(run.id, _Gate())
-        load = await self._load(run.id, gate, 0.0)
+        # Counted on the caller's session: it holds a connection already, and asking the
+        # pool for a second one while holding it could starve a full pool (every caller
+        # holding one, waiting for one more).
+        await self._count(run.id, gate, s)
+        load = self._current(gate)
         lag = self._lag_of(run, gate)
         return Usage(
             capacity=capacity(cfg, lag),
@@ -288,6 +292,11 @@ class Admission:
             if gate.counting is None or gate.counting.done():
                 gate.counting = asyncio.create_task(self._count(run_id, gate))
             await asyncio.shield(gate.counting)  # one count for every caller waiting on it
+        return self._current(gate)
+
+    @staticmethod
+    def _current(gate: _Gate) -> Counter[str]:
+        """The kept count plus the reservations not stored yet (expired ones dropped)."""
         now = time.monotonic()
         for i in [i for i, (until, _) in gate.reserved.items() if until < now]:
             del gate.reserved[i]
@@ -295,14 +304,16 @@ class Admission:
         load.update(group for _, group in gate.reserved.values())
         return load
 
-    async def _count(self, run_id: str, gate: _Gate) -> None:
-        """Count the store once: drop reservations now stored, keep the per-group count.
+    async def _count(self, run_id: str, gate: _Gate, session: AsyncSession | None = None) -> None:
+        """Count the store once (on `session`, else a session of its own): drop reservations
+        now stored, keep the per-group count.
 
         Stored reservations are read before the count, so an episode stored between
         the two reads is counted twice (for a moment, the safe way), never not at all.
         """
         started = time.monotonic()
-        async with self.sessions() as s:
+        async with contextlib.AsyncExitStack() as stack:
+            s = session or await stack.enter_async_context(self.sessions())
             if gate.reserved:
                 for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
                     gate.reserved.pop(i, None)

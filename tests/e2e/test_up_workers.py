@@ -120,10 +120,14 @@ def _group(url: str, run: dict, group: str) -> None:
     for i, reward in enumerate((0.0, 1.0)):
         base = f"{url}/groups/{group}/episodes/{group}-{i}/v1"
         body = {"model": run["name"], "messages": [{"role": "user", "content": "hi"}]}
-        resp = httpx.post(base + "/chat/completions", json=body | {"max_tokens": 4}, headers=auth)
+        # generous timeouts: a process's first call of a new run may wait for it to load
+        # (its tokenizer; seconds on a loaded CI machine), which is not what is tested here
+        resp = httpx.post(
+            base + "/chat/completions", json=body | {"max_tokens": 4}, headers=auth, timeout=60
+        )
         assert resp.status_code == 200, resp.text
         reward_body = {"episode_id": f"{group}-{i}", "reward": reward}
-        resp = httpx.post(base + "/rewards", json=reward_body, headers=auth)
+        resp = httpx.post(base + "/rewards", json=reward_body, headers=auth, timeout=60)
         assert resp.status_code in (200, 201), resp.text
 
 
