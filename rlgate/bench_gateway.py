@@ -20,7 +20,7 @@ four-message history, on a fresh episode path per request for rlgate
 are paid; the stub and LiteLLM get the same body on their chat route.
 
 Mode by mode, the targets are measured in turn, each started for its mode's
-loads and stopped after them (each gateway process holds up to 48 PostgreSQL
+loads and stopped after them (each gateway process holds up to 32 PostgreSQL
 connections; one at a time). Latency: percentiles at
 `latency_concurrency` clients. Throughput: the best 2xx requests/s over the
 closed-loop levels (a 429 or 5xx is never throughput; both are reported
@@ -291,7 +291,7 @@ def bench_gateway(
         return stub_url, route, body | {"model": "stub-model"}, {}
 
     # Mode by mode, each target in turn: a target is up only for its own mode's loads (one
-    # gateway at a time, each of its processes holding up to 48 database connections), and
+    # gateway at a time, each of its processes holding up to 32 database connections), and
     # what other jobs do to the machine drifts over minutes between two targets, not the run.
     targets: dict[str, Callable[[], contextlib.AbstractContextManager[TargetOf]]] = {
         "stub": lambda: contextlib.nullcontext(stub_target)

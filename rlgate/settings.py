@@ -85,8 +85,8 @@ class Settings(BaseSettings):
         32,
         ge=1,
         le=1000,
-        description="PostgreSQL connections each gateway process keeps open; up to half as "
-        "many again are opened in bursts",
+        description="PostgreSQL connections each gateway process keeps open; a request past "
+        "them waits for one (no connection is opened per request)",
     )
     broker_url: str = Field("", description="empty: embedded filesystem broker; or redis://")
     result_backend: str = Field("", description="empty: same Redis as the broker, or files")

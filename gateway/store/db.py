@@ -41,12 +41,13 @@ def make_async_engine(url: str, pool_size: int = 32, *, pre_ping: bool = True) -
     user that keeps its connections busy and handles an outage itself can do without."""
     kw = {}
     if make_url(url).get_backend_name() == "postgresql":
-        # A pool large enough for the steady load, and half as much again for bursts: a
-        # connection past the pool is opened for one checkout and closed after it, and
-        # PostgreSQL forks a backend for each (with the old 20 + 20 under load, those forks
-        # took more CPU than the queries). The overflow stays: a code path that holds a
-        # connection while it asks for another would deadlock a pool without one.
-        kw = {"pool_size": pool_size, "max_overflow": pool_size // 2, "pool_timeout": 30}
+        # A fixed pool, no overflow: a connection past the pool is opened for one checkout
+        # and closed after it, and PostgreSQL forks a backend for each (with 20 + 20 under
+        # load, those forks took more CPU than the queries; with 32 + 16, two processes at
+        # 512 clients also ran past the server's 100 connections). A request past the pool
+        # waits for a connection. So no code may ask for a second connection while it
+        # holds one (tests/integration/test_admission_pool.py).
+        kw = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
     engine = create_async_engine(
         normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping, **kw
     )
