@@ -145,7 +145,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         stats_task = asyncio.create_task(
             app.state.table_stats.run_forever(lambda: leader.is_leader), name="table-stats"
         )
-        if tune_gc:
+        if tune_gc and not prepared.is_set():  # else the prewarm froze the heap already
             tune_for_serving()
         adaptive = app.state.overload.adaptive
         lag_task = asyncio.create_task(
