@@ -101,11 +101,16 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.state.pool = pool
         # On PostgreSQL the group commit has connections of its own, checked out once: no
         # pool round trip (its pre-ping) per batch. A batch on a connection that died gets
-        # the outage's 503 and the next batch connects again.
+        # the outage's 503 and the next batch connects again. Its commits do not wait for
+        # the WAL flush unless `capture_synchronous_commit` (the flush was most of the
+        # latency rlgate added to a call: docs/deployment.md, "Durability of captures").
         capture_engine = (
-            make_async_engine(url, 2, pre_ping=False) if engine.dialect.name == "postgresql"
+            make_async_engine(
+                url, 2, pre_ping=False, synchronous_commit=settings.capture_synchronous_commit
+            )
+            if engine.dialect.name == "postgresql"
             else None
-        )  # fmt: skip
+        )
         capture = CaptureWriter(
             async_sessionmaker(capture_engine, expire_on_commit=False)
             if capture_engine is not None

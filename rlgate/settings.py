@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     capture_linger_s: float = Field(
         0.0, ge=0, description="wait this long for a batch to fill; 0: batch what arrived"
     )
+    capture_synchronous_commit: bool = Field(
+        False,
+        description="PostgreSQL: an answer also waits for its capture's WAL flush to disk, so "
+        "a crash of the database server (not only of the gateway) cannot lose it; off: "
+        "the commit is visible at once and on disk within ~0.6 s (docs/deployment.md)",
+    )
     replica_health_interval_s: float = Field(
         2.0, gt=0, description="vllm/sglang runs: seconds between replica health checks"
     )
