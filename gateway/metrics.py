@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -121,6 +122,9 @@ class PrometheusMiddleware:
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        # (route, method, status) -> its counter and histogram: `labels()` takes a lock and
+        # builds the label tuple on every call; the set of routes and statuses is small
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,9 +144,15 @@ class PrometheusMiddleware:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            method = scope.get("method", "")
-            self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.latency.labels(template, method).observe(time.perf_counter() - start)
+            key = (template, scope.get("method", ""), status)
+            children = self._children.get(key)
+            if children is None:
+                children = self._children[key] = (
+                    self.metrics.requests.labels(key[0], key[1], str(status)),
+                    self.metrics.latency.labels(key[0], key[1]),
+                )
+            children[0].inc()
+            children[1].observe(time.perf_counter() - start)
 
 
 router = APIRouter()

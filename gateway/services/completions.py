@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,24 @@ class ChatService:
         self.reads = read_sessions(sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}
         self._prewarm_failed: dict[str, float] = {}  # run -> when preparing it last failed
+        # Run (as the key cache hands it out) -> (its config dict, that dict validated)
+        self._configs: weakref.WeakKeyDictionary[Run, tuple[dict, RunConfig]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def config(self, run: Run) -> RunConfig:
+        """`run.config` validated, once per Run object and config dict.
+
+        A request's run comes from the agent-key cache (`gateway/auth_cache.py`), the
+        same object until that entry is reloaded; validating its config on every call was
+        2 % of a call's CPU.
+        """
+        kept = self._configs.get(run)
+        if kept is not None and kept[0] is run.config:
+            return kept[1]
+        cfg = RunConfig.model_validate(run.config)
+        self._configs[run] = (run.config, cfg)
+        return cfg
 
     async def serving(self, run: Run) -> RunServing:
         key = (run.id, run.current_version)
@@ -173,7 +192,7 @@ class ChatService:
             messages = [m.normalized() for m in req.messages]
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
-        cfg = RunConfig.model_validate(run.config)
+        cfg = self.config(run)
         serving = await self.serving(run)
         async with self.reads() as s:
             placement = await place(

@@ -32,7 +32,6 @@ from gateway.store.models import Completion, Run
 from inference.backend import BackendError
 from inference.chat_template import ChatTemplate
 from inference.types import GenerateRequest
-from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class TextCompletionService:
             param="prompt",
         )
         messages = [{"role": PROMPT_ROLE, "content": text}]
-        cfg = RunConfig.model_validate(run.config)
+        cfg = self.chat.config(run)
         async with self.chat.reads() as s:
             placement = await place(
                 s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, event
+import time
+
+from sqlalchemy import create_engine, event, exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+# A pooled connection used this recently is handed out without a ping (HikariCP's
+# `aliveBypassWindowMs` is the same idea at 0.5 s).
+PING_AFTER_IDLE_S = 1.0
 
 
 def normalize_url(url: str, *, asynchronous: bool) -> str:
@@ -37,30 +43,69 @@ def make_sync_engine(url: str) -> Engine:
 
 
 def make_async_engine(
-    url: str, pool_size: int = 32, *, pre_ping: bool = True, synchronous_commit: bool = True
+    url: str,
+    pool_size: int = 32,
+    *,
+    pre_ping: bool = True,
+    synchronous_commit: bool = True,
+    ping_after_idle_s: float = PING_AFTER_IDLE_S,
 ) -> AsyncEngine:
-    """`pre_ping`: check each connection as it leaves the pool (a round trip each time); a
-    user that keeps its connections busy and handles an outage itself can do without.
+    """The gateway's engine.
+
+    `pre_ping` (PostgreSQL): a connection that sat in the pool for `ping_after_idle_s`
+    or longer is checked with a round trip before it is handed out, and replaced if it
+    is dead (`ping_stale_connections`). One used more recently goes out unchecked: a
+    ping per checkout was one of the two round trips of a chat call's placement read.
+    If such a connection did die (a server restart under load), its query raises, the
+    request gets the outage's retryable 503 (`gateway/errors.py`), and SQLAlchemy
+    replaces every connection of the pool opened before the failure.
 
     `synchronous_commit=False` (PostgreSQL): this engine's commits return once they are
     visible, before their WAL reaches the disk (the server flushes it within three
     `wal_writer_delay`s). A crash of the client loses nothing committed; a crash of the
     server can lose the last fraction of a second. Set on the connection, so no round trip.
     """
-    kw: dict = {}
-    if make_url(url).get_backend_name() == "postgresql":
-        # A fixed pool, no overflow: a connection past the pool is opened for one checkout
-        # and closed after it, and PostgreSQL forks a backend for each (with 20 + 20 under
-        # load, those forks took more CPU than the queries; with 32 + 16, two processes at
-        # 512 clients also ran past the server's 100 connections). A request past the pool
-        # waits for a connection. So no code may ask for a second connection while it
-        # holds one (tests/integration/test_admission_pool.py).
-        kw = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
-        if not synchronous_commit:
-            kw["connect_args"] = {"options": "-c synchronous_commit=off"}
-    engine = create_async_engine(
-        normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping, **kw
-    )
-    if engine.dialect.name == "sqlite":
+    if make_url(url).get_backend_name() != "postgresql":
+        engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    # A fixed pool, no overflow: a connection past the pool is opened for one checkout
+    # and closed after it, and PostgreSQL forks a backend for each (with 20 + 20 under
+    # load, those forks took more CPU than the queries; with 32 + 16, two processes at
+    # 512 clients also ran past the server's 100 connections). A request past the pool
+    # waits for a connection. So no code may ask for a second connection while it
+    # holds one (tests/integration/test_admission_pool.py). Last in, first out: under a
+    # light load the same few connections stay in use (no ping) and the rest idle.
+    kw: dict = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
+    if not synchronous_commit:
+        kw["connect_args"] = {"options": "-c synchronous_commit=off"}
+    engine = create_async_engine(normalize_url(url, asynchronous=True), pool_use_lifo=True, **kw)
+    if pre_ping:
+        ping_stale_connections(engine, ping_after_idle_s)
     return engine
+
+
+def ping_stale_connections(engine: AsyncEngine, idle_s: float) -> None:
+    """Ping a connection at checkout only if it was idle in the pool for `idle_s` or more.
+
+    A dead one is replaced before it is handed out (the pool retries a checkout whose
+    listener raises `DisconnectionError`).
+    """
+    pool, dialect = engine.sync_engine.pool, engine.sync_engine.dialect
+
+    def checked_in(dbapi_connection, record) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def checked_out(dbapi_connection, record, proxy) -> None:
+        since = record.info.pop("idle_since", None)
+        if since is None or time.monotonic() - since < idle_s:
+            return  # just opened, or used a moment ago
+        try:
+            alive = dialect.do_ping(dbapi_connection)
+        except Exception as err:
+            raise exc.DisconnectionError(f"stale pooled connection: {err}") from err
+        if not alive:
+            raise exc.DisconnectionError("stale pooled connection")
+
+    event.listen(pool, "checkin", checked_in)
+    event.listen(pool, "checkout", checked_out)
