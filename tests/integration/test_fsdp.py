@@ -362,6 +362,40 @@ def test_two_rank_nccl_step_matches_local_engine(tiny_model_dir: Path, tmp_path:
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL")
+@pytest.mark.parametrize(
+    ("param_dtype", "loss_tol", "grad_norm_rel"),
+    [("float32", 1e-4, 1e-4), ("bfloat16", 1e-3, 2e-2)],
+    ids=["float32-unsharded", "bfloat16-fully-sharded"],
+)
+def test_one_rank_nccl_step_matches_local_engine(
+    tiny_model_dir: Path, tmp_path: Path, param_dtype: str, loss_tol: float, grad_norm_rel: float
+) -> None:
+    """One NCCL rank on one GPU through torchrun. A float32 rank runs unsharded
+    (`FsdpEngine.shards`); bfloat16 params go through `fully_shard`'s mixed-precision
+    policy, so that case is the FSDP2 path on CUDA, with a bound for bfloat16 rounding."""
+    local = LocalEngine(tiny_model_dir, 0, CFG)
+    samples = _samples(10, local.model.config.vocab_size)
+    expected = local.step(samples)
+    metrics = run_fsdp_step(
+        tiny_model_dir,
+        0,
+        CFG.model_dump(),
+        write_samples(samples, tmp_path / "samples.pt"),
+        tmp_path / "v1",
+        tiny_model_dir,
+        world_size=1,
+        parallel={"backend": "nccl", "param_dtype": param_dtype},
+        timeout_s=600,
+    )
+    assert metrics["world_size"] == 1 and metrics["version"] == 1
+    assert metrics["tokens"] == expected["tokens"] and metrics["tokens"] > 100
+    assert metrics["loss"] == pytest.approx(expected["loss"], abs=loss_tol)
+    assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=grad_norm_rel)
+    assert (tmp_path / "v1" / "model.safetensors").is_file()
+
+
 def test_one_float32_rank_runs_unsharded_and_writes_the_local_lora_adapter(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
