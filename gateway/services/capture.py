@@ -24,17 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
 from gateway.errors import Unavailable
 from gateway.store.completions import insert_completions
-from gateway.store.episodes import episodes_by_key, insert_episodes
+from gateway.store.episodes import insert_episodes, reopen_rewarded
 from gateway.store.models import Completion, utcnow
-from gateway.store.rewards import has_episode_reward
 from gateway.store.status import UNGROUPED, EpisodeStatus
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ async def write_rows(
 ) -> None:
     """Add the rows and the episodes they open, inside the caller's transaction.
 
-    Episodes are read in one query for the whole batch (none for the fresh ids
-    of new conversations); an episode that has an episode reward and gets a new
-    turn is reopened (it was not over).
+    Nothing is read first, so on PostgreSQL the whole batch can go out in one
+    pipeline (`pipelined`): the episodes not stored yet (none of a fresh id can
+    be), then every episode that may exist and was rewarded turn by turn opened
+    again (a new turn means it was not over), then the completions.
     """
     wanted: dict[tuple[str, str], str | None] = {}
     known: set[tuple[str, str]] = set()  # episodes that may exist already
@@ -79,21 +81,37 @@ async def write_rows(
             wanted.setdefault((row.run_id, row.episode_id), group_id)
             if row.link != "new":  # "new": a fresh id the placement just drew, unseen
                 known.add((row.run_id, row.episode_id))
-    episodes = await episodes_by_key(session, known)
-    new_episodes = []
-    for key, group_id in wanted.items():
-        ep = episodes.get(key)
-        if ep is None:
-            new_episodes.append({"run_id": key[0], "id": key[1], "group_id": group_id or UNGROUPED})
-        elif ep.status == EpisodeStatus.REWARDED and not await has_episode_reward(session, ep):
-            # A new turn after per-turn rewards: the episode was not over.
-            ep.status, ep.reward, ep.rewarded_at = EpisodeStatus.OPEN, None, None
-    await session.flush()
     now = utcnow()
-    for ep in new_episodes:
-        ep.update(status=EpisodeStatus.OPEN, created_at=now)
-    await insert_episodes(session, new_episodes)
+    episodes = [
+        {"run_id": run_id, "id": ep_id, "group_id": group_id or UNGROUPED,
+         "status": EpisodeStatus.OPEN, "created_at": now}
+        for (run_id, ep_id), group_id in wanted.items()
+    ]  # fmt: skip
+    await insert_episodes(session, episodes)
+    await reopen_rewarded(session, known)
     await insert_completions(session, [row for rows, _ in items for row in rows], now)
+
+
+@contextlib.asynccontextmanager
+async def pipelined(session: AsyncSession) -> AsyncIterator[None]:
+    """On PostgreSQL, the session's statements and its commit inside one psycopg pipeline:
+    sent together, answered together, one round trip instead of one per statement. An
+    error surfaces at the commit, and the transaction is rolled back as without it."""
+    conn = await session.connection()
+    if conn.dialect.name != "postgresql":
+        yield
+        return
+    raw = (await conn.get_raw_connection()).driver_connection
+    try:
+        async with raw.pipeline():
+            yield
+    except BaseException:
+        # Commands after a failed one in a pipeline are skipped until its end, the
+        # session's ROLLBACK among them: send it again now, or the connection goes back
+        # to the pool inside an aborted transaction.
+        with contextlib.suppress(Exception):
+            await raw.rollback()
+        raise
 
 
 class CaptureWriter:
@@ -117,6 +135,26 @@ class CaptureWriter:
         self._closing = False
         self.batches = 0  # commits made (a figure for the bench and the tests)
         self.rows = 0
+        self._outage = False  # the last batch found the database unreachable
+
+    async def check(self) -> None:
+        """Raise the outage's 503 if the last batch found the database unreachable and it
+        still is (one round trip, only after such a batch).
+
+        Called before a call samples: without it a call that reads nothing first (a new
+        conversation, its admission count still fresh) would sample, or open a stream,
+        and only fail at its commit.
+        """
+        if not self._outage:
+            return
+        try:
+            async with self.sessions() as s:
+                await s.execute(text("SELECT 1"))
+        except Exception as exc:
+            if is_outage(exc):
+                raise unavailable(exc) from exc
+            raise
+        self._outage = False
 
     def start(self) -> None:
         if self._task is None:
@@ -162,6 +200,7 @@ class CaptureWriter:
             await self._commit(batch)
         except Exception as exc:
             if is_outage(exc):
+                self._outage = True
                 logger.warning(
                     "database unavailable: %d completions not stored: %s", len(batch), exc
                 )
@@ -180,13 +219,15 @@ class CaptureWriter:
                 else:
                     _settle(item, None)
             return
+        self._outage = False
         for item in batch:
             _settle(item, None)
 
     async def _commit(self, batch: list[_Item]) -> None:
         try:
-            async with self.sessions.begin() as s:
+            async with self.sessions() as s, pipelined(s):
                 await write_rows(s, [(it.rows, it.group_id) for it in batch])
+                await s.commit()  # inside the pipeline: the COMMIT goes with the inserts
         except BaseException:
             for it in batch:
                 for row in it.rows:
@@ -206,6 +247,7 @@ class CaptureWriter:
                     raise
             except Exception as exc:
                 if is_outage(exc):
+                    self._outage = True
                     raise unavailable(exc) from exc
                 raise
 

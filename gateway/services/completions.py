@@ -256,10 +256,12 @@ class ChatService:
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or
-        stopped run answers 429, and a new conversation waits here while the trainer cannot
+        stopped run answers 429, a call that could not be stored answers 503 (a stream
+        before its first byte), and a new conversation waits here while the trainer cannot
         absorb it (`gateway.services.admission`)."""
         if run.status != "active":
             raise run_unavailable(run.id, run.status)
+        await self.capture.check()  # the store lost its last batch: a 503 before sampling
         await self.admission.admit(run, cfg, placement, n)
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:

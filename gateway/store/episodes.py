@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Select, Update, and_, case, exists, func, insert, or_, select, update
+from sqlalchemy import Select, Update, and_, bindparam, case, exists, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -69,23 +72,47 @@ async def episode_counts(session: AsyncSession) -> dict[tuple[str, str], int]:
     return {(r, st): int(n) for r, st, n in (await session.execute(stmt)).all()}
 
 
-async def episodes_by_key(
-    session: AsyncSession, keys: set[tuple[str, str]]
-) -> dict[tuple[str, str], Episode]:
-    """The stored episodes among `keys` (run id, episode id), in one query."""
-    if not keys:
-        return {}
-    runs, ids = {r for r, _ in keys}, {e for _, e in keys}
-    stmt = select(Episode).where(Episode.run_id.in_(runs), Episode.id.in_(ids))
-    found = (await session.execute(stmt)).scalars()
-    return {(ep.run_id, ep.id): ep for ep in found if (ep.run_id, ep.id) in keys}
-
-
 async def insert_episodes(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
-    """Core executemany on the session's connection (see `completions.insert_completions`)."""
-    if rows:
+    """Insert the episodes of `rows` that are not stored yet (one executemany, no read).
+
+    An episode already stored, by an earlier turn or by another gateway process in a
+    race, keeps its row: its group and status are not touched.
+    """
+    if not rows:
+        return
+    conn = await session.connection()
+    dialect = conn.dialect.name
+    stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(Episode.__table__)
+    await conn.execute(stmt.on_conflict_do_nothing(index_elements=["run_id", "id"]), rows)
+
+
+@functools.cache
+def _reopen_stmt() -> Update:
+    """A rewarded episode with no episode-level reward, given a new turn, is open again:
+    its rewards were per turn, so it was not over."""
+    ep, reward = Episode.__table__, Reward.__table__
+    return (
+        update(ep)
+        .where(
+            ep.c.run_id == bindparam("key_run"),
+            ep.c.id == bindparam("key_episode"),
+            ep.c.status == EpisodeStatus.REWARDED,
+            ~exists().where(
+                reward.c.run_id == ep.c.run_id,
+                reward.c.episode_id == ep.c.id,
+                reward.c.completion_id.is_(None),
+            ),
+        )
+        .values(status=EpisodeStatus.OPEN, reward=None, rewarded_at=None)
+    )
+
+
+async def reopen_rewarded(session: AsyncSession, keys: Iterable[tuple[str, str]]) -> None:
+    """`_reopen_stmt` for each (run id, episode id) of `keys`, in one executemany."""
+    params = [{"key_run": run_id, "key_episode": ep_id} for run_id, ep_id in keys]
+    if params:
         conn = await session.connection()
-        await conn.execute(insert(Episode.__table__), rows)
+        await conn.execute(_reopen_stmt(), params)
 
 
 async def episode_page(

@@ -99,6 +99,10 @@ def test_database_outage_is_a_retryable_503_for_every_request_of_the_batch() -> 
         results = await asyncio.gather(
             *(writer.submit([r], None) for r in rows), return_exceptions=True
         )
+        # the next call is refused before it samples, while the database stays away
+        with pytest.raises(Unavailable) as refused:
+            await writer.check()
+        assert refused.value.code == "database_unavailable"
         await writer.close()
         await engine.dispose()
         return results
