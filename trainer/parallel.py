@@ -38,11 +38,23 @@ class DistInfo:
     mesh: DeviceMesh
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, local_ranks: int | None = None) -> str:
+    """The process group's backend: "auto" is NCCL when this host has a CUDA device for each
+    of its `local_ranks` (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun), else gloo.
+
+    NCCL cannot put two ranks on one device: two ranks on a one-GPU host get gloo from
+    "auto" and a clear error from "nccl" (found on a lent one-GPU H200).
+    """
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs a CUDA device: set backend to 'gloo' or 'auto'")
+        return "nccl" if devices >= local_ranks else "gloo"
+    if backend == "nccl" and devices < local_ranks:
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device per rank: {local_ranks} rank(s) on this host, "
+            f"{devices} device(s); set backend to 'gloo' or 'auto'"
+        )
     return backend
 
 
