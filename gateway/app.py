@@ -38,7 +38,7 @@ from gateway.routes import (
 from gateway.services.admin_state import close_admin_services, install_admin_services
 from gateway.services.admission import Admission
 from gateway.services.backends import BackendPool
-from gateway.services.capture import CaptureWriter
+from gateway.services.capture import CaptureWriter, capture_sessions
 from gateway.services.completions import ChatService
 from gateway.services.key_quotas import KeyQuotaAdmin
 from gateway.services.keys import KeyService
@@ -112,9 +112,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
             else None
         )
         capture = CaptureWriter(
-            async_sessionmaker(capture_engine, expire_on_commit=False)
-            if capture_engine is not None
-            else sessions,
+            capture_sessions(capture_engine) if capture_engine is not None else sessions,
             max_batch=settings.capture_max_batch,
             linger_s=settings.capture_linger_s,
         )

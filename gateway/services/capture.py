@@ -12,11 +12,13 @@ Ordering contract:
   most `max_batch` rows; `linger_s` optionally waits a little longer for
   more). Under load this turns N commits into N / batch commits; with one
   request at a time it adds no latency.
-* A batch is all-or-nothing. If it fails on a row (an integrity error, a
-  race with another gateway creating the same episode), the batch is rolled
-  back and its requests are retried one transaction each, so one bad row
-  fails only its own request. If the database is unreachable, every request
-  of the batch gets a retryable 503 and nothing of the batch is written.
+* A batch is all-or-nothing. If it fails on a row (an integrity error), the
+  batch is rolled back and its requests are retried one transaction each, so
+  one bad row fails only its own request. An episode that another gateway
+  process created meanwhile is no failure (ON CONFLICT DO NOTHING).
+  If the database is unreachable, every request of the batch gets a
+  retryable 503 and nothing of the batch is written.
+* On PostgreSQL a batch is one round trip (`one_transaction`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
 from gateway.errors import Unavailable
@@ -42,8 +45,19 @@ logger = logging.getLogger(__name__)
 
 
 def is_outage(exc: BaseException) -> bool:
-    """Whether `exc` means the database is unreachable (retry later), not a bad row."""
-    if isinstance(exc, OperationalError | InterfaceError | ConnectionError | TimeoutError):
+    """Whether `exc` means the database is unreachable (retry later), not a bad row.
+
+    psycopg's own errors count too: a pipeline's errors surface from psycopg directly.
+    """
+    if isinstance(
+        exc,
+        OperationalError
+        | InterfaceError
+        | psycopg.OperationalError
+        | psycopg.InterfaceError
+        | ConnectionError
+        | TimeoutError,
+    ):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
@@ -70,7 +84,7 @@ async def write_rows(
     """Add the rows and the episodes they open, inside the caller's transaction.
 
     Nothing is read first, so on PostgreSQL the whole batch can go out in one
-    pipeline (`pipelined`): the episodes not stored yet (none of a fresh id can
+    pipeline (`one_transaction`): the episodes not stored yet (none of a fresh id can
     be), then every episode that may exist and was rewarded turn by turn opened
     again (a new turn means it was not over), then the completions.
     """
@@ -93,25 +107,40 @@ async def write_rows(
 
 
 @contextlib.asynccontextmanager
-async def pipelined(session: AsyncSession) -> AsyncIterator[None]:
-    """On PostgreSQL, the session's statements and its commit inside one psycopg pipeline:
-    sent together, answered together, one round trip instead of one per statement. An
-    error surfaces at the commit, and the transaction is rolled back as without it."""
+async def one_transaction(session: AsyncSession) -> AsyncIterator[None]:
+    """The batch's writes as one transaction, committed when the block ends.
+
+    On a PostgreSQL connection in autocommit mode (the group commit's own engine,
+    `CaptureWriter.pipelined`) BEGIN, the writes and COMMIT go out in one psycopg
+    pipeline: sent together and answered together, one round trip for the batch
+    instead of one per statement (psycopg's own transaction handling syncs after
+    its BEGIN and again at its COMMIT). Anywhere else, the session's transaction.
+    """
     conn = await session.connection()
-    if conn.dialect.name != "postgresql":
-        yield
-        return
     raw = (await conn.get_raw_connection()).driver_connection
+    if conn.dialect.name != "postgresql" or not raw.autocommit:
+        yield
+        await session.commit()
+        return
     try:
         async with raw.pipeline():
+            await conn.exec_driver_sql("BEGIN")
             yield
+            await conn.exec_driver_sql("COMMIT")
     except BaseException:
-        # Commands after a failed one in a pipeline are skipped until its end, the
-        # session's ROLLBACK among them: send it again now, or the connection goes back
-        # to the pool inside an aborted transaction.
+        # A failed statement makes the pipeline skip the rest, COMMIT included, and
+        # leaves the server's transaction aborted: end it before the connection goes back.
         with contextlib.suppress(Exception):
             await raw.rollback()
         raise
+
+
+def capture_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions for the writer: on PostgreSQL in autocommit, so that `one_transaction`
+    sends its own BEGIN and COMMIT inside the batch's pipeline."""
+    if engine.dialect.name == "postgresql":
+        engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+    return async_sessionmaker(engine, expire_on_commit=False)
 
 
 class CaptureWriter:
@@ -207,7 +236,7 @@ class CaptureWriter:
                 for item in batch:
                     _settle(item, unavailable(exc))
                 return
-            if len(batch) == 1 and not isinstance(exc, IntegrityError):
+            if len(batch) == 1 and not isinstance(exc, IntegrityError | psycopg.IntegrityError):
                 _settle(batch[0], exc)
                 return
             logger.info("batch of %d failed (%s): writing row by row", len(batch), exc)
@@ -225,9 +254,8 @@ class CaptureWriter:
 
     async def _commit(self, batch: list[_Item]) -> None:
         try:
-            async with self.sessions() as s, pipelined(s):
+            async with self.sessions() as s, one_transaction(s):
                 await write_rows(s, [(it.rows, it.group_id) for it in batch])
-                await s.commit()  # inside the pipeline: the COMMIT goes with the inserts
         except BaseException:
             for it in batch:
                 for row in it.rows:
@@ -242,7 +270,7 @@ class CaptureWriter:
             try:
                 await self._commit([item])
                 return
-            except IntegrityError:
+            except (IntegrityError, psycopg.IntegrityError):
                 if attempt == self.retries - 1:
                     raise
             except Exception as exc:

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.capture import CaptureWriter
+from gateway.services.capture import CaptureWriter, capture_sessions
 from gateway.store.db import make_async_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Reward, Run
@@ -47,6 +47,12 @@ async def _setup(url: str):
     return engine, sessions
 
 
+def _writer(url: str, **kw) -> CaptureWriter:
+    """The writer as the app builds it: its own engine (one connection here, so a batch
+    that failed hands the next one the same connection), in autocommit on PostgreSQL."""
+    return CaptureWriter(capture_sessions(make_async_engine(url, 1, pre_ping=False)), **kw)
+
+
 async def _count(sessions, model) -> int:
     async with sessions() as s:
         return (await s.execute(select(func.count()).select_from(model))).scalar_one()
@@ -57,7 +63,7 @@ async def test_batched_rows_are_all_stored_and_each_episode_once(db_url: str) ->
     try:
         async with sessions.begin() as s:  # stored by an earlier turn, in another group
             s.add(Episode(run_id="r1", id="ep-0", group_id="older", status="open"))
-        writer = CaptureWriter(sessions, max_batch=16)
+        writer = _writer(db_url, max_batch=16)
         writer.start()
         rng = random.Random(0)
         rows = [synthetic_row("r1", f"ep-{i % 10}", None, rng) for i in range(60)]
@@ -81,8 +87,8 @@ async def test_one_bad_row_fails_only_its_own_request(db_url: str) -> None:
     try:
         rng = random.Random(1)
         first = synthetic_row("r1", "ep-a", None, rng)
-        await CaptureWriter(sessions).submit([first], None)
-        writer = CaptureWriter(sessions)
+        await _writer(db_url).submit([first], None)
+        writer = _writer(db_url)
         writer.start()
         dup = synthetic_row("r1", "ep-b", None, rng)
         dup.id = first.id  # primary key taken: this request must fail, alone
@@ -111,7 +117,7 @@ async def test_a_new_turn_reopens_only_an_episode_rewarded_turn_by_turn(db_url: 
         rows = [synthetic_row("r1", ep, None, rng) for ep in ("per-turn", "whole")]
         for row in rows:
             row.link = "path"
-        await CaptureWriter(sessions).submit(rows, None)
+        await _writer(db_url).submit(rows, None)
         async with sessions() as s:
             reopened = await s.get(Episode, ("r1", "per-turn"))
             assert (reopened.status, reopened.reward) == (EpisodeStatus.OPEN, None)
