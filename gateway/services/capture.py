@@ -18,7 +18,7 @@ Ordering contract:
   process created meanwhile is no failure (ON CONFLICT DO NOTHING).
   If the database is unreachable, every request of the batch gets a
   retryable 503 and nothing of the batch is written.
-* On PostgreSQL a batch is one round trip (`one_transaction`).
+* On PostgreSQL a batch is one round trip (`gateway.store.capture_pg`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
@@ -36,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
 from gateway.errors import Unavailable
+from gateway.store.capture_pg import write_batch
 from gateway.store.completions import insert_completions
 from gateway.store.episodes import insert_episodes, reopen_rewarded
 from gateway.store.models import Completion, utcnow
@@ -78,16 +80,11 @@ class _Item:
     )
 
 
-async def write_rows(
-    session: AsyncSession, items: list[tuple[list[Completion], str | None]]
-) -> None:
-    """Add the rows and the episodes they open, inside the caller's transaction.
-
-    Nothing is read first, so on PostgreSQL the whole batch can go out in one
-    pipeline (`one_transaction`): the episodes not stored yet (none of a fresh id can
-    be), then every episode that may exist and was rewarded turn by turn opened
-    again (a new turn means it was not over), then the completions.
-    """
+def plan(
+    items: list[tuple[list[Completion], str | None]],
+) -> tuple[list[dict[str, Any]], set[tuple[str, str]], list[Completion], datetime]:
+    """A batch's writes: the episodes its rows open (to insert unless stored), those that may
+    exist already (to reopen if rewarded turn by turn), its completions, and its time."""
     wanted: dict[tuple[str, str], str | None] = {}
     known: set[tuple[str, str]] = set()  # episodes that may exist already
     for rows, group_id in items:
@@ -101,43 +98,29 @@ async def write_rows(
          "status": EpisodeStatus.OPEN, "created_at": now}
         for (run_id, ep_id), group_id in wanted.items()
     ]  # fmt: skip
+    return episodes, known, [row for rows, _ in items for row in rows], now
+
+
+async def write_rows(
+    session: AsyncSession, items: list[tuple[list[Completion], str | None]]
+) -> None:
+    """Add the rows and the episodes they open, inside the caller's transaction.
+
+    Nothing is read first: the episodes not stored yet (none of a fresh id can
+    be), then every episode that may exist and was rewarded turn by turn opened
+    again (a new turn means it was not over), then the completions. On
+    PostgreSQL the writer sends the same three statements in one pipeline
+    instead (`gateway.store.capture_pg`).
+    """
+    episodes, known, rows, now = plan(items)
     await insert_episodes(session, episodes)
     await reopen_rewarded(session, known)
-    await insert_completions(session, [row for rows, _ in items for row in rows], now)
-
-
-@contextlib.asynccontextmanager
-async def one_transaction(session: AsyncSession) -> AsyncIterator[None]:
-    """The batch's writes as one transaction, committed when the block ends.
-
-    On a PostgreSQL connection in autocommit mode (the group commit's own engine,
-    `CaptureWriter.pipelined`) BEGIN, the writes and COMMIT go out in one psycopg
-    pipeline: sent together and answered together, one round trip for the batch
-    instead of one per statement (psycopg's own transaction handling syncs after
-    its BEGIN and again at its COMMIT). Anywhere else, the session's transaction.
-    """
-    conn = await session.connection()
-    raw = (await conn.get_raw_connection()).driver_connection
-    if conn.dialect.name != "postgresql" or not raw.autocommit:
-        yield
-        await session.commit()
-        return
-    try:
-        async with raw.pipeline():
-            await conn.exec_driver_sql("BEGIN")
-            yield
-            await conn.exec_driver_sql("COMMIT")
-    except BaseException:
-        # A failed statement makes the pipeline skip the rest, COMMIT included, and
-        # leaves the server's transaction aborted: end it before the connection goes back.
-        with contextlib.suppress(Exception):
-            await raw.rollback()
-        raise
+    await insert_completions(session, rows, now)
 
 
 def capture_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    """Sessions for the writer: on PostgreSQL in autocommit, so that `one_transaction`
-    sends its own BEGIN and COMMIT inside the batch's pipeline."""
+    """Sessions for the writer: on PostgreSQL in autocommit, so that a batch sends its own
+    BEGIN and COMMIT inside its pipeline (`gateway.store.capture_pg`)."""
     if engine.dialect.name == "postgresql":
         engine = engine.execution_options(isolation_level="AUTOCOMMIT")
     return async_sessionmaker(engine, expire_on_commit=False)
@@ -254,8 +237,15 @@ class CaptureWriter:
 
     async def _commit(self, batch: list[_Item]) -> None:
         try:
-            async with self.sessions() as s, one_transaction(s):
-                await write_rows(s, [(it.rows, it.group_id) for it in batch])
+            items = [(it.rows, it.group_id) for it in batch]
+            async with self.sessions() as s:
+                conn = await s.connection()
+                raw = (await conn.get_raw_connection()).driver_connection
+                if conn.dialect.name == "postgresql" and raw.autocommit:
+                    await _pipelined(raw, items)
+                else:
+                    await write_rows(s, items)
+                    await s.commit()
         except BaseException:
             for it in batch:
                 for row in it.rows:
@@ -287,3 +277,14 @@ def _settle(item: _Item, error: BaseException | None) -> None:
         item.done.set_result(None)
     else:
         item.done.set_exception(error)
+
+
+async def _pipelined(conn: psycopg.AsyncConnection, items: list) -> None:
+    try:
+        await write_batch(conn, *plan(items))
+    except BaseException:
+        # A failed statement makes the pipeline skip the rest, COMMIT included, and
+        # leaves the server's transaction aborted: end it before the connection goes back.
+        with contextlib.suppress(Exception):
+            await conn.execute("ROLLBACK")
+        raise

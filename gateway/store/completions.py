@@ -19,13 +19,9 @@ _DEFAULTS = {
 }
 
 
-async def insert_completions(session: AsyncSession, rows: list[Completion], now: datetime) -> None:
-    """Insert `rows` inside the caller's transaction, leaving them transient.
-
-    Core executemany on the session's connection, not the ORM unit of work nor
-    its bulk insert: a few times less CPU per row. The row objects stay
-    transient, with every column filled as the caller will read it.
-    """
+def completion_values(rows: list[Completion], now: datetime) -> list[dict]:
+    """Each row's columns as inserted, every default filled in on the row too (the caller
+    reads them back from the transient objects)."""
     values = []
     for row in rows:
         if row.created_at is None:
@@ -34,8 +30,18 @@ async def insert_completions(session: AsyncSession, rows: list[Completion], now:
             if getattr(row, name) is None:
                 setattr(row, name, default)
         values.append({name: getattr(row, name) for name in _COLUMNS})
+    return values
+
+
+async def insert_completions(session: AsyncSession, rows: list[Completion], now: datetime) -> None:
+    """Insert `rows` inside the caller's transaction, leaving them transient.
+
+    Core executemany on the session's connection, not the ORM unit of work nor
+    its bulk insert: a few times less CPU per row. The row objects stay
+    transient, with every column filled as the caller will read it.
+    """
     conn = await session.connection()
-    await conn.execute(insert(Completion.__table__), values)
+    await conn.execute(insert(Completion.__table__), completion_values(rows, now))
 
 
 # A prefix match is nearly always one row (the same episode's previous turn): read up to
