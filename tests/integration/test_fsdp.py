@@ -341,40 +341,33 @@ def test_nccl_without_cuda_is_a_config_error() -> None:
     assert resolve_backend("auto") == "gloo"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for NCCL")
-def test_two_rank_nccl_step_matches_local_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
-    local = LocalEngine(tiny_model_dir, 0, CFG)
-    samples = _samples(10, local.model.config.vocab_size)
-    expected = local.step(samples)
-    metrics = run_fsdp_step(
-        tiny_model_dir,
-        0,
-        CFG.model_dump(),
-        write_samples(samples, tmp_path / "samples.pt"),
-        tmp_path / "v1",
-        tiny_model_dir,
-        world_size=2,
-        parallel={"backend": "nccl"},
-        timeout_s=600,
+def _gpus(n: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        torch.cuda.device_count() < n, reason=f"needs {n} CUDA device(s) for NCCL"
     )
-    # TF32 and other GPU kernels: a looser bound than the gloo test
-    assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL")
 @pytest.mark.parametrize(
-    ("param_dtype", "loss_tol", "grad_norm_rel"),
-    [("float32", 1e-4, 1e-4), ("bfloat16", 1e-3, 2e-2)],
-    ids=["float32-unsharded", "bfloat16-fully-sharded"],
+    ("world_size", "param_dtype", "loss_tol", "grad_norm_rel"),
+    [
+        pytest.param(1, "float32", 1e-4, 1e-4, marks=_gpus(1), id="1-float32-unsharded"),
+        pytest.param(1, "bfloat16", 1e-3, 2e-2, marks=_gpus(1), id="1-bfloat16-fully-sharded"),
+        pytest.param(2, "float32", 1e-4, 1e-3, marks=_gpus(2), id="2-float32-sharded"),
+    ],
 )
-def test_one_rank_nccl_step_matches_local_engine(
-    tiny_model_dir: Path, tmp_path: Path, param_dtype: str, loss_tol: float, grad_norm_rel: float
+def test_nccl_step_matches_local_engine(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    world_size: int,
+    param_dtype: str,
+    loss_tol: float,
+    grad_norm_rel: float,
 ) -> None:
-    """One NCCL rank on one GPU through torchrun. A float32 rank runs unsharded
-    (`FsdpEngine.shards`); bfloat16 params go through `fully_shard`'s mixed-precision
-    policy, so that case is the FSDP2 path on CUDA, with a bound for bfloat16 rounding."""
+    """NCCL ranks on CUDA through torchrun (TF32 and other GPU kernels: looser bounds than
+    the gloo tests). One float32 rank runs unsharded (`FsdpEngine.shards`); bfloat16 params
+    go through `fully_shard`'s mixed-precision policy, so that case is the FSDP2 path on
+    one GPU, with a bound for bfloat16 rounding."""
     local = LocalEngine(tiny_model_dir, 0, CFG)
     samples = _samples(10, local.model.config.vocab_size)
     expected = local.step(samples)
@@ -385,11 +378,11 @@ def test_one_rank_nccl_step_matches_local_engine(
         write_samples(samples, tmp_path / "samples.pt"),
         tmp_path / "v1",
         tiny_model_dir,
-        world_size=1,
+        world_size=world_size,
         parallel={"backend": "nccl", "param_dtype": param_dtype},
         timeout_s=600,
     )
-    assert metrics["world_size"] == 1 and metrics["version"] == 1
+    assert metrics["world_size"] == world_size and metrics["version"] == 1
     assert metrics["tokens"] == expected["tokens"] and metrics["tokens"] > 100
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=loss_tol)
     assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=grad_norm_rel)
