@@ -63,7 +63,7 @@ def make_async_engine(
     `synchronous_commit=False` (PostgreSQL): this engine's commits return once they are
     visible, before their WAL reaches the disk (the server flushes it within three
     `wal_writer_delay`s). A crash of the client loses nothing committed; a crash of the
-    server can lose the last fraction of a second. Set on the connection, so no round trip.
+    server can lose the last fraction of a second. Set once per connection, not per commit.
     """
     if make_url(url).get_backend_name() != "postgresql":
         engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping)
@@ -77,12 +77,25 @@ def make_async_engine(
     # holds one (tests/integration/test_admission_pool.py). Last in, first out: under a
     # light load the same few connections stay in use (no ping) and the rest idle.
     kw: dict = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
-    if not synchronous_commit:
-        kw["connect_args"] = {"options": "-c synchronous_commit=off"}
     engine = create_async_engine(normalize_url(url, asynchronous=True), pool_use_lifo=True, **kw)
+    if not synchronous_commit:
+        event.listen(engine.sync_engine, "connect", _no_flush_wait)
     if pre_ping:
         ping_stale_connections(engine, ping_after_idle_s)
     return engine
+
+
+def _no_flush_wait(dbapi_connection, record) -> None:
+    """`synchronous_commit=off` for this session, set once when the connection opens (a
+    connect option would replace the user's own `options`, PGOPTIONS included)."""
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True  # a SET inside a transaction would be rolled back
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET synchronous_commit TO off")
+    finally:
+        cursor.close()
+        dbapi_connection.autocommit = autocommit
 
 
 def ping_stale_connections(engine: AsyncEngine, idle_s: float) -> None:
