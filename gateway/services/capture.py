@@ -47,19 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 def is_outage(exc: BaseException) -> bool:
-    """Whether `exc` means the database is unreachable (retry later), not a bad row.
-
-    psycopg's own errors count too: a pipeline's errors surface from psycopg directly.
-    """
-    if isinstance(
-        exc,
-        OperationalError
-        | InterfaceError
-        | psycopg.OperationalError
-        | psycopg.InterfaceError
-        | ConnectionError
-        | TimeoutError,
-    ):
+    """Whether `exc` means the database is unreachable (retry later), not a bad row."""
+    if isinstance(exc, OperationalError | InterfaceError | ConnectionError | TimeoutError):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
@@ -219,7 +208,7 @@ class CaptureWriter:
                 for item in batch:
                     _settle(item, unavailable(exc))
                 return
-            if len(batch) == 1 and not isinstance(exc, IntegrityError | psycopg.IntegrityError):
+            if len(batch) == 1 and not isinstance(exc, IntegrityError):
                 _settle(batch[0], exc)
                 return
             logger.info("batch of %d failed (%s): writing row by row", len(batch), exc)
@@ -260,7 +249,7 @@ class CaptureWriter:
             try:
                 await self._commit([item])
                 return
-            except (IntegrityError, psycopg.IntegrityError):
+            except IntegrityError:
                 if attempt == self.retries - 1:
                     raise
             except Exception as exc:

@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Select, Update, and_, bindparam, case, exists, func, or_, select, update
+from sqlalchemy import (
+    Insert,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    case,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -72,22 +84,27 @@ async def episode_counts(session: AsyncSession) -> dict[tuple[str, str], int]:
     return {(r, st): int(n) for r, st, n in (await session.execute(stmt)).all()}
 
 
-async def insert_episodes(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
-    """Insert the episodes of `rows` that are not stored yet (one executemany, no read).
-
-    An episode already stored, by an earlier turn or by another gateway process in a
-    race, keeps its row: its group and status are not touched.
-    """
-    if not rows:
-        return
-    conn = await session.connection()
-    dialect = conn.dialect.name
-    stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(Episode.__table__)
-    await conn.execute(stmt.on_conflict_do_nothing(index_elements=["run_id", "id"]), rows)
+EPISODE_KEYS = ("run_id", "id", "group_id", "status", "created_at")  # what a capture inserts
 
 
 @functools.cache
-def _reopen_stmt() -> Update:
+def insert_episodes_stmt(dialect: str) -> Insert:
+    """Insert an episode unless it is stored: one already stored, by an earlier turn or by
+    another gateway process in a race, keeps its row (group and status untouched)."""
+    stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(Episode.__table__)
+    return stmt.on_conflict_do_nothing(index_elements=["run_id", "id"])
+
+
+async def insert_episodes(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
+    """`insert_episodes_stmt` for each of `rows` (`EPISODE_KEYS`), one executemany, no read."""
+    if not rows:
+        return
+    conn = await session.connection()
+    await conn.execute(insert_episodes_stmt(conn.dialect.name), rows)
+
+
+@functools.cache
+def reopen_stmt() -> Update:
     """A rewarded episode with no episode-level reward, given a new turn, is open again:
     its rewards were per turn, so it was not over."""
     ep, reward = Episode.__table__, Reward.__table__
@@ -108,11 +125,11 @@ def _reopen_stmt() -> Update:
 
 
 async def reopen_rewarded(session: AsyncSession, keys: Iterable[tuple[str, str]]) -> None:
-    """`_reopen_stmt` for each (run id, episode id) of `keys`, in one executemany."""
+    """`reopen_stmt` for each (run id, episode id) of `keys`, in one executemany."""
     params = [{"key_run": run_id, "key_episode": ep_id} for run_id, ep_id in keys]
     if params:
         conn = await session.connection()
-        await conn.execute(_reopen_stmt(), params)
+        await conn.execute(reopen_stmt(), params)
 
 
 async def episode_page(
