@@ -38,7 +38,7 @@ from gateway.routes import (
 from gateway.services.admin_state import close_admin_services, install_admin_services
 from gateway.services.admission import Admission
 from gateway.services.backends import BackendPool
-from gateway.services.capture import CaptureWriter, capture_sessions
+from gateway.services.capture import CaptureWriter
 from gateway.services.completions import ChatService
 from gateway.services.key_quotas import KeyQuotaAdmin
 from gateway.services.keys import KeyService
@@ -53,7 +53,7 @@ from gateway.services.runs import RunService
 from gateway.services.swap_barrier import make_swap_barrier
 from gateway.services.table_stats import TableStats
 from gateway.services.training import TrainingScheduler, WeightSync
-from gateway.store.db import make_async_engine
+from gateway.store.db import make_async_engine, make_call_engine
 from gateway.store.migrate import upgrade
 from rlgate.settings import Settings
 from trainer.celery_app import make_celery
@@ -99,27 +99,26 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.state.admin_key = settings.resolved_admin_key()
         app.state.sessions = sessions
         app.state.pool = pool
-        # On PostgreSQL the group commit has connections of its own, checked out once: no
-        # pool round trip (its pre-ping) per batch. A batch on a connection that died gets
-        # the outage's 503 and the next batch connects again. Its commits do not wait for
-        # the WAL flush unless `capture_synchronous_commit` (the flush was most of the
-        # latency rlgate added to a call: docs/deployment.md, "Durability of captures").
-        capture_engine = (
-            make_async_engine(
-                url, 2, pre_ping=False, synchronous_commit=settings.capture_synchronous_commit
-            )
-            if engine.dialect.name == "postgresql"
-            else None
+        # On PostgreSQL the statements every agent call runs (its placement reads and the
+        # group commit) have a pool of their own, in autocommit, run straight on psycopg
+        # (`gateway.store.pg_driver`). The group commit's commits do not wait for the WAL
+        # flush unless `capture_synchronous_commit` (the flush was most of the latency
+        # rlgate added to a call: docs/deployment.md, "Durability of captures").
+        call_engine = make_call_engine(
+            url, settings.db_call_pool_size, synchronous_commit=settings.capture_synchronous_commit
+        )
+        call_sessions = (
+            async_sessionmaker(call_engine, expire_on_commit=False) if call_engine else sessions
         )
         capture = CaptureWriter(
-            capture_sessions(capture_engine) if capture_engine is not None else sessions,
+            call_sessions,
             max_batch=settings.capture_max_batch,
             linger_s=settings.capture_linger_s,
         )
         capture.start()
         app.state.capture = capture
         admission = Admission(sessions, pool.serving_version)
-        app.state.chat = ChatService(sessions, pool, capture, admission)
+        app.state.chat = ChatService(sessions, pool, capture, admission, reads=call_sessions)
         app.state.run_status = RunStatusService(sessions, admission)
         app.state.rewards = RewardService(sessions)
         app.state.runs = (RemoteOnlyRuns if shared else RunService)(
@@ -163,8 +162,8 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
                     await task
             await leader.close()  # another process may lead at once
             await capture.close()  # answered completions are committed before the engine goes
-            if capture_engine is not None:
-                await capture_engine.dispose()
+            if call_engine is not None:
+                await call_engine.dispose()
             await close_admin_services(app.state)
             await pool.close()
             if pool.barrier is not None:

@@ -82,11 +82,18 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("rlgate-data"), description="SQLite file, broker, checkpoints")
     database_url: str = Field("", description="empty: SQLite file in data_dir")
     db_pool_size: int = Field(
-        32,
+        24,
         ge=1,
         le=1000,
         description="PostgreSQL connections each gateway process keeps open; a request past "
         "them waits for one (no connection is opened per request)",
+    )
+    db_call_pool_size: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description="PostgreSQL: more connections each gateway process keeps for what every "
+        "agent call runs (its placement reads, the group commit), in autocommit",
     )
     broker_url: str = Field("", description="empty: embedded filesystem broker; or redis://")
     result_backend: str = Field("", description="empty: same Redis as the broker, or files")

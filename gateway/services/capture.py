@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import make_transient
 
 from gateway.errors import Unavailable
@@ -41,6 +40,7 @@ from gateway.store.capture_pg import write_batch
 from gateway.store.completions import insert_completions
 from gateway.store.episodes import insert_episodes, reopen_rewarded
 from gateway.store.models import Completion, utcnow
+from gateway.store.pg_driver import driver_connection, is_psycopg
 from gateway.store.status import UNGROUPED, EpisodeStatus
 
 logger = logging.getLogger(__name__)
@@ -107,14 +107,6 @@ async def write_rows(
     await insert_completions(session, rows, now)
 
 
-def capture_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    """Sessions for the writer: on PostgreSQL in autocommit, so that a batch sends its own
-    BEGIN and COMMIT inside its pipeline (`gateway.store.capture_pg`)."""
-    if engine.dialect.name == "postgresql":
-        engine = engine.execution_options(isolation_level="AUTOCOMMIT")
-    return async_sessionmaker(engine, expire_on_commit=False)
-
-
 class CaptureWriter:
     """Collects completion rows from concurrent requests and commits them in batches."""
 
@@ -127,6 +119,9 @@ class CaptureWriter:
         retries: int = 3,
     ) -> None:
         self.sessions = sessions
+        bind = sessions.kw.get("bind")
+        # PostgreSQL: a batch is one pipeline on a pooled connection's psycopg connection
+        self._pg = bind if is_psycopg(bind) else None
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.retries = retries
@@ -227,12 +222,11 @@ class CaptureWriter:
     async def _commit(self, batch: list[_Item]) -> None:
         try:
             items = [(it.rows, it.group_id) for it in batch]
-            async with self.sessions() as s:
-                conn = await s.connection()
-                raw = (await conn.get_raw_connection()).driver_connection
-                if conn.dialect.name == "postgresql" and raw.autocommit:
-                    await _pipelined(raw, items)
-                else:
+            if self._pg is not None:
+                async with driver_connection(self._pg) as conn:
+                    await write_batch(conn, *plan(items))
+            else:
+                async with self.sessions() as s:
                     await write_rows(s, items)
                     await s.commit()
         except BaseException:
@@ -266,14 +260,3 @@ def _settle(item: _Item, error: BaseException | None) -> None:
         item.done.set_result(None)
     else:
         item.done.set_exception(error)
-
-
-async def _pipelined(conn: psycopg.AsyncConnection, items: list) -> None:
-    try:
-        await write_batch(conn, *plan(items))
-    except BaseException:
-        # A failed statement makes the pipeline skip the rest, COMMIT included, and
-        # leaves the server's transaction aborted: end it before the connection goes back.
-        with contextlib.suppress(Exception):
-            await conn.execute("ROLLBACK")
-        raise

@@ -31,7 +31,6 @@ from gateway.services.capture import CaptureWriter
 from gateway.services.episodes import (
     EpisodeRef,
     Placement,
-    ancestry,
     answer_message,
     conversation_hash,
     explicit_ids,
@@ -39,6 +38,7 @@ from gateway.services.episodes import (
     sampled_stream,
     with_sampled_answers,
 )
+from gateway.store.lineage import Lineage
 from gateway.store.models import Completion, Run
 from gateway.store.runs import checkpoint_of, list_runs
 from inference import registry
@@ -85,13 +85,15 @@ class ChatService:
         pool: BackendPool,
         capture: CaptureWriter | None = None,
         admission: Admission | None = None,
+        reads: async_sessionmaker[AsyncSession] | None = None,
     ) -> None:
+        """`reads`: sessions for the placement's reads (`Lineage`), by default `sessions`."""
         self.sessions = sessions
         self.pool = pool
         self.admission = admission or Admission(sessions, pool.serving_version)
         # Without a started writer (no app lifespan) each store is its own transaction.
         self.capture = capture or CaptureWriter(sessions)
-        self.reads = read_sessions(sessions)
+        self.lineage = Lineage(reads or sessions)
         self._checkpoints: dict[tuple[str, int], str] = {}
         self._prewarm_failed: dict[str, float] = {}  # run -> when preparing it last failed
         # Run (as the key cache hands it out) -> (its config dict, that dict validated)
@@ -194,11 +196,10 @@ class ChatService:
             raise InvalidRequest(str(exc), param="messages") from exc
         cfg = self.config(run)
         serving = await self.serving(run)
-        async with self.reads() as s:
-            placement = await place(
-                s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
-            )
-            chain = await ancestry(s, placement.parent)
+        placement = await place(
+            self.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
+        )
+        chain = await self.lineage.ancestry(placement.parent)
         parent = placement.parent
         template = serving.template
         # Our own earlier answers are rendered as the text that was sampled (tool calls
@@ -395,18 +396,6 @@ class ChatService:
             group_id=group_id,
             policy_version=rows[0].policy_version,
         )
-
-
-def read_sessions(sessions: async_sessionmaker[AsyncSession]) -> async_sessionmaker[AsyncSession]:
-    """Sessions for the placement's reads, in autocommit: no BEGIN and ROLLBACK round trips
-    around them (two of a chat call's few). Completions never change once stored, so
-    reading a parent and its ancestry outside one transaction sees nothing torn."""
-    bind = sessions.kw.get("bind")
-    if bind is None:
-        return sessions
-    return async_sessionmaker(
-        bind.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
-    )
 
 
 def sampling_params(

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from gateway.identifiers import checked_id
-from gateway.store.completions import find_by_conv_hash
+from gateway.store.lineage import Lineage
 from gateway.store.models import Completion
 
 
@@ -97,18 +95,6 @@ def answer_message(content: str, tool_calls: list[dict[str, Any]] | None = None)
     return msg
 
 
-async def ancestry(
-    session: AsyncSession, parent: Completion | None, limit: int = 256
-) -> list[Completion]:
-    """`parent`, its parent, and so on (nearest first)."""
-    chain: list[Completion] = []
-    node = parent
-    while node is not None and len(chain) < limit:
-        chain.append(node)
-        node = await session.get(Completion, node.parent_id) if node.parent_id else None
-    return chain
-
-
 def with_sampled_answers(
     messages: list[dict[str, Any]], chain: list[Completion], decode
 ) -> list[dict[str, Any]]:
@@ -162,7 +148,7 @@ def explicit_ids(
 
 
 async def find_parent(
-    session: AsyncSession,
+    lineage: Lineage,
     run_id: str,
     messages: list[dict[str, Any]],
     episode_id: str | None,
@@ -170,15 +156,16 @@ async def find_parent(
 ) -> Completion | None:
     """The completion whose messages + answer are the longest prefix of `messages`.
 
-    Every candidate prefix (one per assistant message) is looked up in one query.
+    Every candidate prefix (one per assistant message) is looked up in one query; a
+    call with no assistant message reads nothing.
     """
     since = datetime.now(UTC) - timedelta(seconds=window_s)
     prefixes = assistant_prefix_hashes(messages)
-    return await find_by_conv_hash(session, run_id, prefixes, since, episode_id)
+    return await lineage.parent(run_id, prefixes, since, episode_id)
 
 
 async def place(
-    session: AsyncSession,
+    lineage: Lineage,
     run_id: str,
     ref: EpisodeRef,
     metadata: dict[str, str] | None,
@@ -186,7 +173,7 @@ async def place(
     window_s: float,
 ) -> Placement:
     episode_id, group_id, source = explicit_ids(ref, metadata)
-    parent = await find_parent(session, run_id, messages, episode_id, window_s)
+    parent = await find_parent(lineage, run_id, messages, episode_id, window_s)
     if episode_id is not None:
         return Placement(episode_id, group_id, source or "header", parent)
     if parent is not None:  # the episode exists already, and with it its group

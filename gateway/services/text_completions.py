@@ -88,10 +88,9 @@ class TextCompletionService:
         )
         messages = [{"role": PROMPT_ROLE, "content": text}]
         cfg = self.chat.config(run)
-        async with self.chat.reads() as s:
-            placement = await place(
-                s, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
-            )
+        placement = await place(
+            self.chat.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
+        )
         await self.chat.admit(run, cfg, placement)
         # `Prepared.req` is read only by chat streaming, which text completions do not use.
         return Prepared(run, req, serving, messages, placement, prompt_ids, False, params)  # type: ignore[arg-type]

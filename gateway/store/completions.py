@@ -5,7 +5,18 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
-from sqlalchemy import Select, bindparam, case, func, insert, select
+from sqlalchemy import (
+    Integer,
+    Select,
+    String,
+    any_,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    select,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -45,21 +56,71 @@ async def insert_completions(session: AsyncSession, rows: list[Completion], now:
 
 
 # A prefix match is nearly always one row (the same episode's previous turn): read up to
-# this many candidates with one prebuilt statement and rank them here; past it, rank in SQL.
-_CANDIDATES = 64
+# this many candidates with one prebuilt statement and rank them here; past it, look the
+# hashes up one at a time, the highest rank first.
+CANDIDATES = 64
+# The most ancestors a call's parent chain is read with (`ancestors_stmt`).
+ANCESTRY_LIMIT = 256
 
 
-@functools.cache
-def _candidates_stmt(with_episode: bool) -> Select:
-    """Prebuilt once: building an ORM select per call cost more CPU than running it."""
-    stmt = select(Completion).where(
-        Completion.run_id == bindparam("run_id"),
-        Completion.conv_hash.in_(bindparam("hashes", expanding=True)),
-        Completion.created_at >= bindparam("since"),
+def _of_run(stmt: Select, with_episode: bool) -> Select:
+    stmt = stmt.where(
+        Completion.run_id == bindparam("run_id"), Completion.created_at >= bindparam("since")
     )
     if with_episode:
         stmt = stmt.where(Completion.episode_id == bindparam("episode_id"))
-    return stmt.order_by(Completion.created_at.desc()).limit(_CANDIDATES + 1)
+    return stmt
+
+
+@functools.cache
+def candidates_stmt(with_episode: bool, array: bool = False) -> Select:
+    """The run's newest completions (of `:episode_id`) since `:since` whose hash is one of
+    `:hashes`, at most `CANDIDATES + 1`. Prebuilt once: building an ORM select per call
+    cost more CPU than running it. `array`: `:hashes` is one PostgreSQL array parameter
+    (`= ANY`), for a statement compiled once (`gateway.store.lineage_pg`); otherwise an
+    expanding IN."""
+    if array:
+        matches = Completion.conv_hash == any_(bindparam("hashes", type_=ARRAY(String)))
+    else:
+        matches = Completion.conv_hash.in_(bindparam("hashes", expanding=True))
+    stmt = _of_run(select(Completion).where(matches), with_episode)
+    return stmt.order_by(Completion.created_at.desc()).limit(CANDIDATES + 1)
+
+
+@functools.cache
+def newest_with_hash_stmt(with_episode: bool) -> Select:
+    """The run's newest completion (of `:episode_id`) since `:since` hashed `:hash`."""
+    stmt = _of_run(
+        select(Completion).where(Completion.conv_hash == bindparam("hash")), with_episode
+    )
+    return stmt.order_by(Completion.created_at.desc()).limit(1)
+
+
+@functools.cache
+def ancestors_stmt() -> Select:
+    """The completion `:id` and its ancestors, nearest first, at most `:limit` of them:
+    one recursive query however long the episode."""
+    depth = literal_column("1", Integer).label("depth")
+    chain = (
+        select(Completion.id, Completion.parent_id, depth)
+        .where(Completion.id == bindparam("id"))
+        .cte("chain", recursive=True)
+    )
+    up = select(Completion.id, Completion.parent_id, chain.c.depth + 1).join(
+        chain, Completion.id == chain.c.parent_id
+    )
+    chain = chain.union_all(up.where(chain.c.depth < bindparam("limit")))
+    return select(Completion).join(chain, Completion.id == chain.c.id).order_by(chain.c.depth)
+
+
+def best_candidate(found: list[Completion], hashes: dict[str, int]) -> Completion | None:
+    """Of `found`, the newest of those with the highest rank (`hashes`: hash -> rank)."""
+    return max(found, key=lambda c: (hashes[c.conv_hash], c.created_at), default=None)
+
+
+def by_rank(hashes: dict[str, int]) -> list[str]:
+    """The hashes, the highest rank (the longest prefix) first."""
+    return sorted(hashes, key=hashes.__getitem__, reverse=True)
 
 
 async def find_by_conv_hash(
@@ -71,25 +132,28 @@ async def find_by_conv_hash(
 ) -> Completion | None:
     """Of the run's completions (of `episode_id`, if given) since `since` whose messages plus
     answer hash to one of `hashes`, the newest of those with the highest rank (`hashes` maps
-    each hash to its rank): one statement, however many hashes."""
+    each hash to its rank): one statement, however many hashes (nearly always)."""
     if not hashes:
         return None
+    mine = episode_id is not None
     params = {"run_id": run_id, "hashes": list(hashes), "since": since, "episode_id": episode_id}
-    stmt = _candidates_stmt(episode_id is not None)
-    found = list((await session.execute(stmt, params)).scalars())
-    if len(found) <= _CANDIDATES:
-        return max(found, key=lambda c: (hashes[c.conv_hash], c.created_at), default=None)
-    stmt = select(Completion).where(
-        Completion.run_id == run_id,
-        Completion.conv_hash.in_(list(hashes)),
-        Completion.created_at >= since,
-    )
-    if episode_id is not None:
-        stmt = stmt.where(Completion.episode_id == episode_id)
-    if len(hashes) > 1:
-        stmt = stmt.order_by(case(hashes, value=Completion.conv_hash).desc())
-    stmt = stmt.order_by(Completion.created_at.desc()).limit(1)
-    return (await session.execute(stmt)).scalar()
+    found = list((await session.execute(candidates_stmt(mine), params)).scalars())
+    if len(found) <= CANDIDATES:
+        return best_candidate(found, hashes)
+    for h in by_rank(hashes):
+        params["hash"] = h
+        best = (await session.execute(newest_with_hash_stmt(mine), params)).scalar()
+        if best is not None:
+            return best
+    return None
+
+
+async def ancestry(session: AsyncSession, parent: Completion | None) -> list[Completion]:
+    """`parent`, its parent, and so on (nearest first), at most `ANCESTRY_LIMIT`."""
+    if parent is None or parent.parent_id is None:
+        return [parent] if parent is not None else []
+    params = {"id": parent.parent_id, "limit": ANCESTRY_LIMIT - 1}
+    return [parent, *(await session.execute(ancestors_stmt(), params)).scalars()]
 
 
 def _of_episodes(run_id: str, episode_ids: list[str]) -> Select:

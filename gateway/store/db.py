@@ -44,10 +44,11 @@ def make_sync_engine(url: str) -> Engine:
 
 def make_async_engine(
     url: str,
-    pool_size: int = 32,
+    pool_size: int = 24,
     *,
     pre_ping: bool = True,
     synchronous_commit: bool = True,
+    autocommit: bool = False,
     ping_after_idle_s: float = PING_AFTER_IDLE_S,
 ) -> AsyncEngine:
     """The gateway's engine.
@@ -64,6 +65,8 @@ def make_async_engine(
     visible, before their WAL reaches the disk (the server flushes it within three
     `wal_writer_delay`s). A crash of the client loses nothing committed; a crash of the
     server can lose the last fraction of a second. Set once per connection, not per commit.
+
+    `autocommit=True` (PostgreSQL): the call path's pool (`make_call_engine`).
     """
     if make_url(url).get_backend_name() != "postgresql":
         engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping)
@@ -77,12 +80,36 @@ def make_async_engine(
     # holds one (tests/integration/test_admission_pool.py). Last in, first out: under a
     # light load the same few connections stay in use (no ping) and the rest idle.
     kw: dict = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
+    if autocommit:
+        kw |= {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     engine = create_async_engine(normalize_url(url, asynchronous=True), pool_use_lifo=True, **kw)
     if not synchronous_commit:
         event.listen(engine.sync_engine, "connect", _no_flush_wait)
     if pre_ping:
         ping_stale_connections(engine, ping_after_idle_s)
     return engine
+
+
+def make_call_engine(
+    url: str,
+    pool_size: int = 8,
+    *,
+    synchronous_commit: bool = True,
+    ping_after_idle_s: float = PING_AFTER_IDLE_S,
+) -> AsyncEngine | None:
+    """PostgreSQL: the pool of the statements every agent call runs straight on psycopg
+    (`gateway.store.pg_driver`: its placement reads and the group commit); None elsewhere.
+
+    Its connections are in autocommit from the start and go back to the pool as they are:
+    no ROLLBACK at check-in and no isolation level set and reset around each use. Through
+    the main pool those two cost more CPU than the read they wrapped (SQLAlchemy's async
+    adaption runs each as a greenlet hop). A statement that fails mid-transaction ends it
+    itself (`gateway.store.capture_pg`), so no connection goes back inside one.
+    `synchronous_commit`: as `make_async_engine` (the group commit's durability).
+    """
+    if make_url(url).get_backend_name() != "postgresql":
+        return None
+    return make_async_engine(url, pool_size, synchronous_commit=synchronous_commit, autocommit=True)
 
 
 def _no_flush_wait(dbapi_connection, record) -> None:

@@ -3,7 +3,7 @@
 Real PostgreSQL (a fresh database per test) and a SQLite file. A batch reads
 nothing before it writes: episodes go in with ON CONFLICT DO NOTHING, and a
 rewarded episode given a new turn is reopened by one UPDATE, so on PostgreSQL
-the inserts and the COMMIT travel in one pipeline (`capture.pipelined`).
+the inserts and the COMMIT travel in one pipeline (`gateway.store.capture_pg`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.capture import CaptureWriter, capture_sessions
-from gateway.store.db import make_async_engine
+from gateway.services.capture import CaptureWriter
+from gateway.store.db import make_async_engine, make_call_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Reward, Run
 from gateway.store.status import EpisodeStatus
@@ -48,9 +48,11 @@ async def _setup(url: str):
 
 
 def _writer(url: str, **kw) -> CaptureWriter:
-    """The writer as the app builds it: its own engine (one connection here, so a batch
-    that failed hands the next one the same connection), in autocommit on PostgreSQL."""
-    return CaptureWriter(capture_sessions(make_async_engine(url, 1, pre_ping=False)), **kw)
+    """The writer as the app builds it: on PostgreSQL the call path's pool (one connection
+    here, so a batch that failed hands the next one the same connection, which goes back
+    to the pool unreset), on SQLite the store's own engine."""
+    engine = make_call_engine(url, 1) or make_async_engine(url, 1, pre_ping=False)
+    return CaptureWriter(async_sessionmaker(engine, expire_on_commit=False), **kw)
 
 
 async def _count(sessions, model) -> int:

@@ -1,0 +1,185 @@
+"""The placement's reads (`gateway.store.lineage`) on PostgreSQL and SQLite alike.
+
+Real PostgreSQL (a fresh database per test; there the reads run straight on
+psycopg, `gateway.store.lineage_pg`) and a SQLite file (through ORM sessions).
+The parent lookup: the longest matching prefix wins, then the newest, and past
+`CANDIDATES` rows the hashes are looked up one at a time with the same answer.
+The ancestry: one recursive query, nearest first, bounded. A completion read
+back equals, column for column, what the ORM reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.services.capture import is_outage
+from gateway.store import completions as store
+from gateway.store import lineage_pg
+from gateway.store.db import make_async_engine, make_call_engine
+from gateway.store.lineage import Lineage
+from gateway.store.migrate import upgrade
+from gateway.store.models import Completion, Episode, Run
+from tests.integration.conftest import fresh_database
+
+pytestmark = pytest.mark.integration
+
+RUN = "run_h"
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SINCE = T0 - timedelta(days=1)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request, tmp_path) -> Iterator[str]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'lineage.db'}"
+        upgrade(url)
+        yield url
+        return
+    with fresh_database() as url:
+        upgrade(url)
+        yield url
+
+
+@pytest.fixture
+async def sessions(db_url: str):
+    engine = make_async_engine(db_url, 1)
+    sm = async_sessionmaker(engine, expire_on_commit=False)
+    async with sm.begin() as s:
+        s.add(Run(id=RUN, name="h", model="tiny", model_path="/x", config={}, counters={}))
+        await s.flush()
+        s.add_all([Episode(run_id=RUN, id=e, group_id="g", status="open") for e in ("a", "b")])
+    yield sm
+    await engine.dispose()
+
+
+@pytest.fixture
+async def lineage(db_url: str, sessions):
+    """The reads as the app makes them: on PostgreSQL on the call path's own pool."""
+    call = make_call_engine(db_url, 1)
+    yield Lineage(async_sessionmaker(call, expire_on_commit=False) if call else sessions)
+    if call is not None:
+        await call.dispose()
+
+
+@pytest.fixture
+def small_windows(monkeypatch) -> Iterator[None]:
+    """Three candidates at most, and ancestries of at most three completions."""
+    monkeypatch.setattr(store, "CANDIDATES", 3)
+    monkeypatch.setattr(store, "ANCESTRY_LIMIT", 3)
+    store.candidates_stmt.cache_clear()
+    lineage_pg._statement.cache_clear()
+    yield
+    store.candidates_stmt.cache_clear()
+    lineage_pg._statement.cache_clear()
+
+
+async def add(
+    sm, cid: str, conv_hash: str | None, age_s: float, episode: str = "a", parent: str | None = None
+) -> None:
+    async with sm.begin() as s:
+        s.add(
+            Completion(
+                id=cid,
+                run_id=RUN,
+                episode_id=episode,
+                parent_id=parent,
+                messages=[{"role": "user", "content": f"turn {cid} \u00e9\U0001f600"}],
+                prompt_token_ids=[1, 70000, 2**31 - 1],
+                output_token_ids=[2, 3],
+                output_logprobs=[-0.5, -1.25],
+                content="x",
+                finish_reason="stop",
+                temperature=0.7,
+                policy_version=3,
+                created_at=T0 - timedelta(seconds=age_s),
+                conv_hash=conv_hash,
+                spliced=parent is not None,
+                tool_calls=[{"id": "c1", "type": "function"}] if parent else None,
+            )
+        )
+
+
+async def find(lineage, hashes: dict[str, int], episode: str | None = None) -> str | None:
+    found = await lineage.parent(RUN, hashes, SINCE, episode)
+    return found.id if found is not None else None
+
+
+async def test_the_longest_prefix_wins_over_a_newer_shorter_one(sessions, lineage) -> None:
+    await add(sessions, "long-old", "h2", age_s=50)
+    await add(sessions, "short-new", "h1", age_s=10)
+    await add(sessions, "long-new", "h2", age_s=20)
+    await add(sessions, "other-episode", "h2", age_s=5, episode="b")
+    await add(sessions, "too-old", "h3", age_s=2 * 86400)
+    assert await find(lineage, {"h1": 1, "h2": 2}, "a") == "long-new"
+    assert await find(lineage, {"h1": 1, "h2": 2}) == "other-episode"  # any episode: newest
+    assert await find(lineage, {"h1": 1}, "a") == "short-new"
+    assert await find(lineage, {"zz": 1}, "a") is None
+    assert await find(lineage, {"h3": 1}, "a") is None  # outside the window
+    assert await find(lineage, {}, "a") is None
+
+
+async def test_past_the_candidate_limit_the_answer_is_the_same(
+    sessions, lineage, small_windows
+) -> None:
+    await add(sessions, "long-old", "h2", age_s=500)
+    for i in range(6):  # newer, shorter matches crowd the candidate window
+        await add(sessions, f"short-{i}", "h1", age_s=10 + i)
+    assert await find(lineage, {"h1": 1, "h2": 2}, "a") == "long-old"
+    assert await find(lineage, {"h1": 1, "zz": 2}, "a") == "short-0"
+    assert await find(lineage, {"h1": 1, "h2": 2}, "b") is None
+
+
+async def test_ancestry_is_nearest_first_and_reads_every_column_as_the_orm(
+    sessions, lineage
+) -> None:
+    await add(sessions, "c1", "k1", age_s=40)
+    for i in range(2, 6):
+        await add(sessions, f"c{i}", f"k{i}", age_s=40 - i, parent=f"c{i - 1}")
+    parent = await lineage.parent(RUN, {"k5": 1}, SINCE, "a")
+    chain = await lineage.ancestry(parent)
+    assert [c.id for c in chain] == ["c5", "c4", "c3", "c2", "c1"]
+    columns = [c.key for c in Completion.__table__.columns]
+    async with sessions() as s:
+        for got in chain:
+            want = await s.get(Completion, got.id)
+            assert {k: getattr(got, k) for k in columns} == {k: getattr(want, k) for k in columns}
+    assert list(chain[0].prompt_token_ids) == [1, 70000, 2**31 - 1]
+    assert await lineage.ancestry(chain[-1]) == [chain[-1]]  # a first turn: nothing read
+    assert await lineage.ancestry(None) == []
+
+
+async def test_ancestry_is_bounded(sessions, lineage, small_windows) -> None:
+    await add(sessions, "c1", None, age_s=40)
+    for i in range(2, 6):
+        await add(sessions, f"c{i}", None, age_s=40 - i, parent=f"c{i - 1}")
+    async with sessions() as s:
+        last = await s.get(Completion, "c5")
+    assert [c.id for c in await lineage.ancestry(last)] == ["c5", "c4", "c3"]
+
+
+async def test_a_dropped_connection_is_an_outage_once_then_replaced(postgres_url: str) -> None:
+    """PostgreSQL: a pooled connection the server dropped fails one read with SQLAlchemy's
+    OperationalError (the gateway's retryable 503) and is not handed out again."""
+    await asyncio.to_thread(upgrade, postgres_url)
+    engine = make_call_engine(postgres_url, 1, ping_after_idle_s=60.0)
+    lineage = Lineage(async_sessionmaker(engine, expire_on_commit=False))
+    try:
+        assert await lineage.parent(RUN, {"h": 1}, SINCE, None) is None
+        async with engine.connect() as conn:
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(DBAPIError) as err:
+            await lineage.parent(RUN, {"h": 1}, SINCE, None)
+        assert is_outage(err.value) and err.value.connection_invalidated
+        assert await lineage.parent(RUN, {"h": 1}, SINCE, None) is None
+    finally:
+        await engine.dispose()
