@@ -148,11 +148,64 @@ class _Waiter:
     admitted: asyncio.Future[None]
 
 
+class Reservations:
+    """Episodes admitted here whose first completion is not seen stored yet.
+
+    Kept per group as they change, so what a call reads of them costs the same with ten
+    reservations or ten thousand (a burst of new conversations reserves one each, and
+    every new conversation reads them): expiry takes the oldest off a queue in order
+    (one TTL for all, so the queue is in expiry order), the count per group is updated
+    on each change.
+    """
+
+    def __init__(self) -> None:
+        self._until: dict[str, tuple[float, str]] = {}  # id -> (until, group)
+        self.per_group: Counter[str] = Counter()
+        self._order: deque[tuple[float, str]] = deque()  # (until, id), oldest first
+
+    def __contains__(self, episode_id: str) -> bool:
+        return episode_id in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def ids(self) -> list[str]:
+        return list(self._until)
+
+    def add(self, ids: list[str], group: str, until: float) -> None:
+        for i in ids:
+            self.drop(i)
+            self._until[i] = (until, group)
+            self.per_group[group] += 1
+            self._order.append((until, i))
+        if len(self._order) > 2 * len(self._until) + 1024:  # mostly ids dropped since
+            self._order = deque(sorted((u, i) for i, (u, _) in self._until.items()))
+
+    def drop(self, episode_id: str) -> None:
+        entry = self._until.pop(episode_id, None)
+        if entry is not None:
+            group = entry[1]
+            self.per_group[group] -= 1
+            if not self.per_group[group]:
+                del self.per_group[group]
+
+    def expire(self, now: float) -> None:
+        """Drop those reserved until before `now` (a request that failed before storing)."""
+        while self._order and self._order[0][0] < now:
+            until, i = self._order.popleft()
+            entry = self._until.get(i)
+            if entry is not None and entry[0] == until:
+                self.drop(i)
+
+
 @dataclass
 class _Gate:
     """One run's admission state in this process."""
 
-    reserved: dict[str, tuple[float, str]] = field(default_factory=dict)  # id -> (until, group)
+    reserved: Reservations = field(default_factory=Reservations)
     waiters: deque[_Waiter] = field(default_factory=deque)
     poller: asyncio.Task | None = None
     stored: Counter[str] = field(default_factory=Counter)  # unconsumed per group, last count
@@ -281,9 +334,7 @@ class Admission:
         return 0 if serving is None else max(0, newest - serving)
 
     def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
-        until = time.monotonic() + self.reservation_ttl_s
-        for i in ids:
-            gate.reserved[i] = (until, group)
+        gate.reserved.add(ids, group, time.monotonic() + self.reservation_ttl_s)
 
     async def _load(self, run_id: str, gate: _Gate, max_age_s: float) -> Counter[str]:
         """Unconsumed episodes per group: the store's as counted at most `max_age_s` ago
@@ -297,11 +348,9 @@ class Admission:
     @staticmethod
     def _current(gate: _Gate) -> Counter[str]:
         """The kept count plus the reservations not stored yet (expired ones dropped)."""
-        now = time.monotonic()
-        for i in [i for i, (until, _) in gate.reserved.items() if until < now]:
-            del gate.reserved[i]
+        gate.reserved.expire(time.monotonic())
         load = Counter(gate.stored)
-        load.update(group for _, group in gate.reserved.values())
+        load.update(gate.reserved.per_group)
         return load
 
     async def _count(self, run_id: str, gate: _Gate, session: AsyncSession | None = None) -> None:
@@ -315,8 +364,8 @@ class Admission:
         async with contextlib.AsyncExitStack() as stack:
             s = session or await stack.enter_async_context(self.sessions())
             if gate.reserved:
-                for i in await stored_episode_ids(s, run_id, list(gate.reserved)):
-                    gate.reserved.pop(i, None)
+                for i in await stored_episode_ids(s, run_id, gate.reserved.ids()):
+                    gate.reserved.drop(i)
             stored = Counter(await unconsumed_by_group(s, run_id))
             version = await run_version(s, run_id)
         gate.stored, gate.counted_at = stored, started

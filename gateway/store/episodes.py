@@ -19,6 +19,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -103,16 +104,14 @@ async def insert_episodes(session: AsyncSession, rows: list[dict[str, Any]]) -> 
     await conn.execute(insert_episodes_stmt(conn.dialect.name), rows)
 
 
-@functools.cache
-def reopen_stmt() -> Update:
+def _reopen(*which: Any) -> Update:
     """A rewarded episode with no episode-level reward, given a new turn, is open again:
-    its rewards were per turn, so it was not over."""
+    its rewards were per turn, so it was not over. `which`: the episodes' conditions."""
     ep, reward = Episode.__table__, Reward.__table__
     return (
         update(ep)
         .where(
-            ep.c.run_id == bindparam("key_run"),
-            ep.c.id == bindparam("key_episode"),
+            *which,
             ep.c.status == EpisodeStatus.REWARDED,
             ~exists().where(
                 reward.c.run_id == ep.c.run_id,
@@ -122,6 +121,20 @@ def reopen_stmt() -> Update:
         )
         .values(status=EpisodeStatus.OPEN, reward=None, rewarded_at=None)
     )
+
+
+@functools.cache
+def reopen_stmt() -> Update:
+    """`_reopen` of the episode (`:key_run`, `:key_episode`), for an executemany."""
+    ep = Episode.__table__
+    return _reopen(ep.c.run_id == bindparam("key_run"), ep.c.id == bindparam("key_episode"))
+
+
+def reopen_some_stmt(n: int) -> Update:
+    """`_reopen` of `n` episodes in one statement: (`:r<i>_run`, `:r<i>_episode`), i < n."""
+    ep = Episode.__table__
+    keys = [tuple_(bindparam(f"r{i}_run"), bindparam(f"r{i}_episode")) for i in range(n)]
+    return _reopen(tuple_(ep.c.run_id, ep.c.id).in_(keys))
 
 
 async def reopen_rewarded(session: AsyncSession, keys: Iterable[tuple[str, str]]) -> None:

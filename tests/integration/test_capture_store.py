@@ -1,9 +1,12 @@
-"""The group commit's writes on PostgreSQL (one pipeline per batch) and SQLite alike.
+"""The group commit's writes on PostgreSQL (one statement or one pipeline per batch) and
+SQLite alike.
 
 Real PostgreSQL (a fresh database per test) and a SQLite file. A batch reads
 nothing before it writes: episodes go in with ON CONFLICT DO NOTHING, and a
 rewarded episode given a new turn is reopened by one UPDATE, so on PostgreSQL
-the inserts and the COMMIT travel in one pipeline (`gateway.store.capture_pg`).
+a batch is one round trip (`gateway.store.capture_pg`): a small batch one
+statement, a larger one a pipeline. Every PostgreSQL test runs with each form
+for every batch size.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.services.capture import CaptureWriter
+from gateway.store import capture_pg
 from gateway.store.db import make_async_engine, make_call_engine
 from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Reward, Run
@@ -27,8 +31,12 @@ from tests.integration.conftest import fresh_database
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request, tmp_path) -> Iterator[str]:
+@pytest.fixture(params=["postgresql-one-statement", "postgresql-pipeline", "sqlite"])
+def db_url(request, tmp_path, monkeypatch) -> Iterator[str]:
+    if request.param.endswith("one-statement"):
+        monkeypatch.setattr(capture_pg, "ONE_STATEMENT_ROWS", 1000)
+    elif request.param.endswith("pipeline"):
+        monkeypatch.setattr(capture_pg, "ONE_STATEMENT_ROWS", 0)
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'capture.db'}"
         upgrade(url)
@@ -124,5 +132,30 @@ async def test_a_new_turn_reopens_only_an_episode_rewarded_turn_by_turn(db_url: 
             reopened = await s.get(Episode, ("r1", "per-turn"))
             assert (reopened.status, reopened.reward) == (EpisodeStatus.OPEN, None)
             assert (await s.get(Episode, ("r1", "whole"))).status == EpisodeStatus.REWARDED
+    finally:
+        await engine.dispose()
+
+
+async def test_a_row_is_stored_as_the_orm_reads_it_back(db_url: str) -> None:
+    """What the writer stored reads back through the ORM as the row that was submitted."""
+    engine, sessions = await _setup(db_url)
+    try:
+        row = synthetic_row("r1", "ep-x", None, random.Random(3))
+        row.tool_calls = [{"id": "c1", "type": "function", "function": {"name": "f"}}]
+        row.reasoning_content = "thought \u00e9\U0001f600"
+        row.prompt_token_ids = [0, 1, 2**31 - 1]
+        await _writer(db_url).submit([row], "g")
+        columns = [c.key for c in Completion.__table__.columns]
+        async with sessions() as s:
+            got = await s.get(Completion, row.id)
+            for name in columns:
+                want, have = getattr(row, name), getattr(got, name)
+                if name == "created_at":
+                    want, have = want.replace(tzinfo=None), have.replace(tzinfo=None)
+                elif name == "output_logprobs":  # stored as float32
+                    want, have = pytest.approx(list(want), rel=1e-6), list(have)
+                elif name.endswith("_ids"):
+                    want, have = list(want), list(have)
+                assert have == want, name
     finally:
         await engine.dispose()

@@ -20,6 +20,7 @@ from gateway.errors import RateLimited, error_response
 from gateway.services.admission import (
     RETRY_AFTER_S,
     Admission,
+    Reservations,
     capacity,
     fits,
     group_capacity,
@@ -328,3 +329,30 @@ async def test_a_named_new_conversation_that_fits_reads_nothing_per_call(
     admission = Admission(sessions, poll_s=60)
     await asyncio.gather(*(admission.admit(run, cfg, new(f"p{i}", link="path")) for i in range(10)))
     assert asked == 0
+
+
+def test_reservations_count_per_group_as_they_change_and_expire_oldest_first() -> None:
+    r = Reservations()
+    r.add(["a", "b"], "g1", until=10.0)
+    r.add(["c"], UNGROUPED, until=11.0)
+    assert r.per_group == Counter({"g1": 2, UNGROUPED: 1}) and len(r) == 3
+    r.drop("a")  # seen stored
+    r.drop("a")  # twice is nothing
+    assert r.per_group == Counter({"g1": 1, UNGROUPED: 1})
+    r.add(["b"], "g2", until=12.0)  # reserved again: it moves, with its new expiry
+    assert r.per_group == Counter({"g2": 1, UNGROUPED: 1})
+    r.expire(11.5)  # b's first expiry (10) no longer holds; c's (11) does
+    assert r.ids() == ["b"] and r.per_group == Counter({"g2": 1})
+    r.expire(12.5)
+    assert not r and r.per_group == Counter()
+
+
+def test_reservations_dropped_in_bulk_do_not_pile_up_in_the_expiry_queue() -> None:
+    r = Reservations()
+    for i in range(5000):
+        r.add([f"e{i}"], UNGROUPED, until=float(i))
+        r.drop(f"e{i}")  # stored at once, as under load
+    r.add(["last"], UNGROUPED, until=1e9)
+    assert len(r._order) <= 2 * len(r) + 1024
+    r.expire(1e8)
+    assert r.ids() == ["last"] and r.per_group == Counter({UNGROUPED: 1})
