@@ -42,6 +42,22 @@ def fresh_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextlib.contextmanager
+def migrated_store(kind: str, directory: Path) -> Iterator[str]:
+    """A migrated, empty store (its URL): a fresh PostgreSQL database ("postgresql...") or a
+    SQLite file in `directory` ("sqlite")."""
+    from gateway.store.migrate import upgrade
+
+    if kind == "sqlite":
+        url = f"sqlite:///{directory / 'store.db'}"
+        upgrade(url)
+        yield url
+        return
+    with fresh_database() as url:
+        upgrade(url)
+        yield url
+
+
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test."""

@@ -22,11 +22,10 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.services.capture import CaptureWriter
 from gateway.store import capture_pg
 from gateway.store.db import make_async_engine, make_call_engine
-from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Reward, Run
 from gateway.store.status import EpisodeStatus
 from rlgate.bench_capture import synthetic_row
-from tests.integration.conftest import fresh_database
+from tests.integration.conftest import migrated_store
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +36,7 @@ def db_url(request, tmp_path, monkeypatch) -> Iterator[str]:
         monkeypatch.setattr(capture_pg, "ONE_STATEMENT_ROWS", 1000)
     elif request.param.endswith("pipeline"):
         monkeypatch.setattr(capture_pg, "ONE_STATEMENT_ROWS", 0)
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'capture.db'}"
-        upgrade(url)
-        yield url
-        return
-    with fresh_database() as url:
-        upgrade(url)
+    with migrated_store(request.param, tmp_path) as url:
         yield url
 
 

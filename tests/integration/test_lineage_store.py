@@ -27,7 +27,7 @@ from gateway.store.db import make_async_engine, make_call_engine
 from gateway.store.lineage import Lineage
 from gateway.store.migrate import upgrade
 from gateway.store.models import Completion, Episode, Run
-from tests.integration.conftest import fresh_database
+from tests.integration.conftest import migrated_store
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +38,7 @@ SINCE = T0 - timedelta(days=1)
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 def db_url(request, tmp_path) -> Iterator[str]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'lineage.db'}"
-        upgrade(url)
-        yield url
-        return
-    with fresh_database() as url:
-        upgrade(url)
+    with migrated_store(request.param, tmp_path) as url:
         yield url
 
 
