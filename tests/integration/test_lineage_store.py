@@ -177,3 +177,24 @@ async def test_a_dropped_connection_is_an_outage_once_then_replaced(postgres_url
         assert await lineage.parent(RUN, {"h": 1}, SINCE, None) is None
     finally:
         await engine.dispose()
+
+
+async def test_reads_on_the_main_pool_leave_its_connection_transactional(
+    postgres_url: str,
+) -> None:
+    """PostgreSQL, reads given the main pool (a service built without the call pool): the
+    connection is switched to autocommit for the read only; the next ORM transaction on
+    it still rolls back."""
+    await asyncio.to_thread(upgrade, postgres_url)
+    engine = make_async_engine(postgres_url, 1)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    try:
+        assert await Lineage(sessions).parent(RUN, {"h": 1}, SINCE, None) is None
+        async with sessions() as s:
+            s.add(Run(id="r-rolled-back", name="x", model="tiny", model_path="/x"))
+            await s.flush()
+            await s.rollback()
+        async with sessions() as s:
+            assert await s.get(Run, "r-rolled-back") is None
+    finally:
+        await engine.dispose()
