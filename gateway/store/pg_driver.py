@@ -51,7 +51,7 @@ def result_processors(
     table: Table, type_codes: tuple[int, ...]
 ) -> tuple[tuple[str, Processor], ...]:
     """Per column of `table`, its key and the processor of a value read (None: as is);
-    `type_codes`: the server's types of `SELECT <the table's columns>` (`type_codes`)."""
+    `type_codes`: the server's type of each column of the result (`type_codes(cursor)`)."""
     d = dialect()
     return tuple(
         (c.key, c.type.dialect_impl(d).result_processor(d, code))
