@@ -169,9 +169,6 @@ class Reservations:
     def __len__(self) -> int:
         return len(self._until)
 
-    def __bool__(self) -> bool:
-        return bool(self._until)
-
     def ids(self) -> list[str]:
         return list(self._until)
 

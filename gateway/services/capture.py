@@ -42,7 +42,7 @@ from gateway.store.capture_pg import write_batch
 from gateway.store.completions import insert_completions
 from gateway.store.episodes import insert_episodes, reopen_rewarded
 from gateway.store.models import Completion, utcnow
-from gateway.store.pg_driver import driver_connection, is_psycopg
+from gateway.store.pg_driver import driver_connection, psycopg_engine
 from gateway.store.status import UNGROUPED, EpisodeStatus
 
 logger = logging.getLogger(__name__)
@@ -121,9 +121,8 @@ class CaptureWriter:
         retries: int = 3,
     ) -> None:
         self.sessions = sessions
-        bind = sessions.kw.get("bind")
-        # PostgreSQL: a batch is one pipeline on a pooled connection's psycopg connection
-        self._pg = bind if is_psycopg(bind) else None
+        # PostgreSQL: a batch is one round trip on a pooled connection's psycopg connection
+        self._pg = psycopg_engine(sessions)
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.retries = retries

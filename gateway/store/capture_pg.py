@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -83,8 +82,7 @@ def _one_statement(episodes: int, reopened: int, rows: int) -> Statement:
     stmt = stmt.add_cte(new.on_conflict_do_nothing(index_elements=["run_id", "id"]).cte("new"))
     if reopened:
         stmt = stmt.add_cte(reopen_some_stmt(reopened).cte("reopened"))
-    sql, params = compiled(stmt)
-    return sql, {k: v for k, v in params.items() if not re.match(r"[ecr]\d+_", k)}
+    return compiled(stmt)
 
 
 async def _as_one_statement(

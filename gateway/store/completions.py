@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     Integer,
@@ -123,37 +125,51 @@ def by_rank(hashes: dict[str, int]) -> list[str]:
     return sorted(hashes, key=hashes.__getitem__, reverse=True)
 
 
+# Runs a SELECT of completions with its parameters: through an ORM session (`rows_on`),
+# or straight on psycopg (`gateway.store.lineage_pg.rows_on`).
+Rows = Callable[[Select, dict[str, Any]], Awaitable[list[Completion]]]
+
+
+def rows_on(session: AsyncSession) -> Rows:
+    async def run(stmt: Select, params: dict[str, Any]) -> list[Completion]:
+        return list((await session.execute(stmt, params)).scalars())
+
+    return run
+
+
 async def find_by_conv_hash(
-    session: AsyncSession,
+    rows: Rows,
     run_id: str,
     hashes: dict[str, int],
     since: datetime,
     episode_id: str | None,
+    *,
+    array: bool = False,
 ) -> Completion | None:
     """Of the run's completions (of `episode_id`, if given) since `since` whose messages plus
     answer hash to one of `hashes`, the newest of those with the highest rank (`hashes` maps
-    each hash to its rank): one statement, however many hashes (nearly always)."""
+    each hash to its rank): one statement, however many hashes (nearly always). `array`: as
+    `candidates_stmt`."""
     if not hashes:
         return None
     mine = episode_id is not None
     params = {"run_id": run_id, "hashes": list(hashes), "since": since, "episode_id": episode_id}
-    found = list((await session.execute(candidates_stmt(mine), params)).scalars())
+    found = await rows(candidates_stmt(mine, array), params)
     if len(found) <= CANDIDATES:
         return best_candidate(found, hashes)
     for h in by_rank(hashes):
-        params["hash"] = h
-        best = (await session.execute(newest_with_hash_stmt(mine), params)).scalar()
-        if best is not None:
-            return best
+        best = await rows(newest_with_hash_stmt(mine), params | {"hash": h})
+        if best:
+            return best[0]
     return None
 
 
-async def ancestry(session: AsyncSession, parent: Completion | None) -> list[Completion]:
+async def ancestry(rows: Rows, parent: Completion | None) -> list[Completion]:
     """`parent`, its parent, and so on (nearest first), at most `ANCESTRY_LIMIT`."""
     if parent is None or parent.parent_id is None:
         return [parent] if parent is not None else []
     params = {"id": parent.parent_id, "limit": ANCESTRY_LIMIT - 1}
-    return [parent, *(await session.execute(ancestors_stmt(), params)).scalars()]
+    return [parent, *await rows(ancestors_stmt(), params)]
 
 
 def _of_episodes(run_id: str, episode_ids: list[str]) -> Select:

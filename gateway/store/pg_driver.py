@@ -22,7 +22,7 @@ import psycopg
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.sql import ClauseElement
 
 Processor = Callable[[Any], Any] | None
@@ -35,9 +35,10 @@ def dialect() -> postgresql.psycopg.dialect:
 
 
 def compiled(stmt: ClauseElement, keys: tuple[str, ...] | None = None) -> Statement:
-    """`stmt` as psycopg runs it (named `%(key)s` parameters), with its constant parameters."""
+    """`stmt` as psycopg runs it (named `%(key)s` parameters), with its constant parameters
+    (those the statement fixes itself; the caller gives the others)."""
     c = stmt.compile(dialect=dialect(), column_keys=keys)
-    return str(c), dict(c.params)
+    return str(c), {k: v for k, v in c.params.items() if not c.binds[k].required}
 
 
 def bind_processors(table: Table) -> tuple[tuple[str, Processor], ...]:
@@ -76,9 +77,11 @@ def as_sqlalchemy(err: psycopg.Error, invalidated: bool = False) -> DBAPIError:
     return DBAPIError.instance(None, None, err, psycopg.Error, connection_invalidated=invalidated)
 
 
-def is_psycopg(engine: AsyncEngine | None) -> bool:
-    """Whether `engine` is PostgreSQL on psycopg (the driver these statements are for)."""
-    return engine is not None and engine.dialect.driver == "psycopg"
+def psycopg_engine(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine | None:
+    """The engine `sessions` are bound to if it is PostgreSQL on psycopg (the driver these
+    statements are for), else None."""
+    engine: AsyncEngine | None = sessions.kw.get("bind")
+    return engine if engine is not None and engine.dialect.driver == "psycopg" else None
 
 
 @contextlib.asynccontextmanager

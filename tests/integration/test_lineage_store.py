@@ -69,10 +69,10 @@ def small_windows(monkeypatch) -> Iterator[None]:
     monkeypatch.setattr(store, "CANDIDATES", 3)
     monkeypatch.setattr(store, "ANCESTRY_LIMIT", 3)
     store.candidates_stmt.cache_clear()
-    lineage_pg._statement.cache_clear()
+    lineage_pg._compiled.cache_clear()
     yield
     store.candidates_stmt.cache_clear()
-    lineage_pg._statement.cache_clear()
+    lineage_pg._compiled.cache_clear()
 
 
 async def add(
