@@ -57,6 +57,7 @@ PROMPT = list(range(100, 164))  # 64 prompt tokens
 ADMIN_KEY = "bench-admin"
 MODES = ("plain", "stream", "chat")
 LEVELS = (32, 128, 512)
+ROUNDS = 3  # loads per level, interleaved (`bench_load.round_orders`); a level's figure: the median
 CHAT_MESSAGES = [
     {
         "role": "system",
@@ -245,6 +246,7 @@ def bench_gateway(
     modes: tuple[str, ...] = MODES,
     warmup: float = 1.0,
     baseline_src: Path | None = None,
+    rounds: int = ROUNDS,
 ) -> dict[str, Any]:
     from inference.models import resolve_model
     from rlgate import bench_litellm
@@ -326,6 +328,7 @@ def bench_gateway(
                         loader,
                         settled,
                         warmup,
+                        rounds,
                     )
                 results.setdefault(mode, {})[name] = m
                 for level in (m["latency"], *m["throughput"]):
@@ -349,6 +352,7 @@ def bench_gateway(
         output_tokens=output_tokens,
         seconds=seconds,
         warmup_s=warmup,
+        rounds=rounds,
         latency_concurrency=latency_concurrency,
         levels=list(levels),
     )
@@ -381,6 +385,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _rounds(text: str) -> int:
+    rounds = int(text)
+    if rounds < 1:
+        raise argparse.ArgumentTypeError("--rounds must be at least 1")
+    return rounds
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(text.split(","))
     if unknown := set(modes) - set(MODES):
@@ -405,6 +416,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=_int_list,
         default=LEVELS,
         help="closed-loop concurrencies for max 2xx req/s (default 32,128,512)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_rounds,
+        default=ROUNDS,
+        help="loads per level, levels in alternating order; each level's figures are the "
+        f"rounds' medians (default {ROUNDS})",
     )
     p.add_argument(
         "--workers",
@@ -451,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         args.modes,
         args.warmup,
         args.baseline_src,
+        args.rounds,
     )
     if out["litellm_version"]:
         print(f"LiteLLM {out['litellm_version']}")

@@ -116,11 +116,14 @@ def load_line(mode: str, name: str, m: dict[str, Any]) -> str:
     head = f"{mode:6} {name:10} c={m['concurrency']:<4} 2xx {m['rps']:8.1f} req/s  "
     if not m["answers"] and not m["errors"]:
         return head + "no answer within the window (every request took longer)"
-    return head + (
+    line = head + (
         f"429 {m['status_429']:<6} 5xx {m['status_5xx']:<5} other errors "
         f"{m['errors'] - m['status_429'] - m['status_5xx']:<5} "
         f"p50 {m['p50_ms']:8.2f} ms  p99 {m['p99_ms']:8.2f} ms"
     )
+    if "rounds" in m:  # the figures above are the rounds' medians
+        line += "  rounds " + " ".join(f"{r['rps']:.1f}" for r in m["rounds"])
+    return line
 
 
 def figure_lines(out: dict[str, Any]) -> list[str]:

@@ -128,6 +128,34 @@ def load(
     return {**out, "warm_ok": warmed}
 
 
+SUMMED = ("requests", "answers", "errors", "status_429", "status_5xx", "warm_2xx", "warm_ok")
+MEDIAN = ("rps", "p50_ms", "p90_ms", "p99_ms")
+
+
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's loads over several rounds as one load: counts summed, rates and
+    percentiles the rounds' medians, each round's own figures kept under ``rounds``."""
+    out = dict(rounds[0])
+    for key in SUMMED:
+        out[key] = sum(r.get(key, 0) for r in rounds)
+    for key in MEDIAN:
+        out[key] = round(statistics.median(r[key] for r in rounds), 2)
+    statuses: dict[str, int] = {}
+    for r in rounds:
+        for status, n in r.get("statuses", {}).items():
+            statuses[status] = statuses.get(status, 0) + n
+    out["statuses"] = dict(sorted(statuses.items()))
+    if len(rounds) > 1:
+        out["rounds"] = [{k: r[k] for k in ("rps", "p50_ms", "p99_ms")} for r in rounds]
+    return out
+
+
+def round_orders(levels: list[int], rounds: int) -> list[list[int]]:
+    """The levels' order in each round: as given, then reversed, alternately, so that a
+    machine whose speed drifts (or a store that grows) weighs on every level alike."""
+    return [list(levels) if i % 2 == 0 else list(reversed(levels)) for i in range(rounds)]
+
+
 def measure(
     target: Target,
     latency_c: int,
@@ -136,18 +164,27 @@ def measure(
     loader: str,
     settle: Callable[[], None] = lambda: None,
     warmup: float = 1.0,
+    rounds: int = 1,
+    run_load: Callable[..., dict[str, Any]] = load,
 ) -> dict[str, Any]:
     """Latency at `latency_c` clients, then 2xx throughput at each level; `max_rps` the best.
 
+    With `rounds` > 1 every level is loaded once per round (`round_orders`) and its
+    figures are the rounds' medians (`combine_rounds`): the best level and the
+    others are then read the same way, not one load against the best of several.
     `settle` runs before each load: what an overloaded target still holds from the
-    last one must not be measured with the next.
+    last one must not be measured with the next. `run_load`: `load`'s stand-in in tests.
     """
 
     def settled(c: int) -> dict[str, Any]:
         settle()
-        return load(target, c, seconds, loader, warmup)
+        return run_load(target, c, seconds, loader, warmup)
 
     latency = settled(latency_c)
-    loads = [settled(c) for c in levels]
+    samples: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
+    for order in round_orders(levels, max(1, rounds)):
+        for c in order:
+            samples[c].append(settled(c))
+    loads = [combine_rounds(samples[c]) for c in levels]
     best = max(loads, key=lambda m: m["rps"])
     return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}

@@ -25,6 +25,7 @@ def short_bench(work_dir: Path, cache_dir: Path, loader: str, modes: tuple[str, 
         work_dir=work_dir,
         modes=modes,
         warmup=1.0,
+        rounds=2,
     )
 
 
@@ -36,6 +37,9 @@ def test_every_mode_through_rlgate_is_answered_and_stored(
         rlgate = out["modes"][mode]["rlgate"]
         for load in (rlgate["latency"], *rlgate["throughput"]):
             assert load["requests"] > 0 and load["errors"] == 0, (mode, load)
+        # two rounds at the one level, summed into its counts (and so into the stored check)
+        (level,) = rlgate["throughput"]
+        assert len(level["rounds"]) == 2 and level["requests"] > 0
         assert out[mode]["status_5xx"] == 0 and "overhead_ratio" not in out[mode]
         assert out[mode]["top_level"] == 8 and "r512_fraction" not in out[mode]
     assert "Traceback" not in (tmp_path / "gateway-w1.log").read_text()
