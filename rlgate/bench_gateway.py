@@ -50,6 +50,7 @@ from typing import Any
 from rlgate import bench_dirs
 from rlgate.bench_gateway_report import BASELINE, figure_lines, load_line, summary, target_name
 from rlgate.bench_load import Target, measure
+from rlgate.cli_args import positive_int
 
 TargetOf = Callable[[str, dict, str], Target]  # (mode, body, route) -> how to reach a target
 
@@ -385,13 +386,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
-def _rounds(text: str) -> int:
-    rounds = int(text)
-    if rounds < 1:
-        raise argparse.ArgumentTypeError("--rounds must be at least 1")
-    return rounds
-
-
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(text.split(","))
     if unknown := set(modes) - set(MODES):
@@ -419,7 +413,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rounds",
-        type=_rounds,
+        type=positive_int,
         default=ROUNDS,
         help="loads per level, levels in alternating order; each level's figures are the "
         f"rounds' medians (default {ROUNDS})",

@@ -16,6 +16,7 @@ import itertools
 import secrets
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -139,11 +140,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for key in SUMMED:
         out[key] = sum(r.get(key, 0) for r in rounds)
     for key in MEDIAN:
-        out[key] = round(statistics.median(r[key] for r in rounds), 2)
-    statuses: dict[str, int] = {}
-    for r in rounds:
-        for status, n in r.get("statuses", {}).items():
-            statuses[status] = statuses.get(status, 0) + n
+        out[key] = statistics.median(r[key] for r in rounds)
+    statuses = sum((Counter(r.get("statuses", {})) for r in rounds), Counter())
     out["statuses"] = dict(sorted(statuses.items()))
     if len(rounds) > 1:
         out["rounds"] = [{k: r[k] for k in ("rps", "p50_ms", "p99_ms")} for r in rounds]

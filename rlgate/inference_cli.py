@@ -22,6 +22,7 @@ from inference.launch import (
     stop_server,
     wait_ready,
 )
+from rlgate.cli_args import positive_int
 from rlgate.settings import DEV_ADMIN_KEY, Settings
 
 logger = logging.getLogger(__name__)
@@ -111,13 +112,6 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def add_arguments(sub: argparse._SubParsersAction) -> None:
     inf = sub.add_parser("inference", help="run an inference server (vLLM, SGLang) for a run")
     inf_sub = inf.add_subparsers(dest="inference_command", required=True)
@@ -135,7 +129,9 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--enable-lora", action="store_true", help="serve LoRA runs' adapters (docs/backends.md)"
     )
-    serve.add_argument("--max-loras", type=_positive, default=4, help="LoRA adapters in one batch")
+    serve.add_argument(
+        "--max-loras", type=positive_int, default=4, help="LoRA adapters in one batch"
+    )
     serve.add_argument(
         "--max-lora-rank", type=int, default=16, choices=LORA_RANKS, help="largest adapter rank"
     )
