@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
+from gateway.agent_route import AgentRoute
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.identifiers import header_value
 from gateway.protocol_messages import (
@@ -22,7 +23,7 @@ from gateway.protocol_messages import (
 from gateway.services.messages import MessagesService
 from gateway.sse import event_stream, sse_events
 
-router = APIRouter()
+router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent_route
 
 
 async def messages_service(request: Request) -> MessagesService:

@@ -1,0 +1,226 @@
+"""Agent routes' per-call handler: FastAPI's declarations, a shorter path through each call.
+
+An agent's sampling call is the gateway's hot path. FastAPI's generic handler
+pays, per call, for what these routes never use: the content type parsed with
+`email.message`, the body decoded with `json` and then validated from Python
+objects, a dependency solver walking a tree of one level, and the returned
+model validated a second time against `response_model` before it is dumped.
+Under wrk (plain mode, 128 clients, the bench's stub), serving the sampling
+routes through this handler instead took about a fifth off the gateway's CPU
+per call.
+
+`AgentRoute` keeps everything FastAPI builds from the endpoint's signature
+(routing, OpenAPI schema, the dependant) and swaps only the function that
+serves a request. That function handles the shapes an agent route has:
+
+* one body parameter whose type is a pydantic model, validated straight from
+  the JSON bytes (`model_validate_json`);
+* `Request` and `Response` parameters;
+* dependencies that take only the `Request` (`async def dep(request)`);
+* `str` path parameters.
+
+A route with anything else (query or header parameters, nested or `yield`
+dependencies, a custom response class or response-model filters) is refused
+when the app is built, not served slower.
+
+What a client sees is FastAPI's behaviour, kept on purpose (tests/unit/
+test_agent_route.py compares the two): a body that is not JSON is refused
+before any dependency runs; otherwise dependencies run first (a bad key is a
+401 whatever the body), then the body is validated; a body without a JSON
+content type, an empty body and a body that fails validation raise the same
+`RequestValidationError`, with `loc` starting at "body", that the error funnel
+(`gateway.errors`) turns into a 400; headers set on the `Response` parameter
+are added to a JSON answer and not to a `Response` the endpoint returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request, Response
+from fastapi.datastructures import DefaultPlaceholder
+from fastapi.dependencies.utils import get_missing_field_error
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute, serialize_response
+from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from fastapi._compat import ModelField
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class AgentRoute(APIRoute):
+    """An `APIRoute` served by `agent_handler` (use as an `APIRouter`'s `route_class`)."""
+
+    def get_route_handler(self) -> Handler:
+        return agent_handler(self)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where each of the endpoint's arguments comes from, worked out once per route."""
+
+    body_field: ModelField | None
+    body_model: type[BaseModel] | None
+    request_name: str | None
+    response_name: str | None
+    dependencies: tuple[tuple[str, Callable[[Request], Awaitable[Any]]], ...]
+    path_names: tuple[str, ...]
+
+
+def _refuse(route: APIRoute, what: str) -> TypeError:
+    return TypeError(f"AgentRoute {route.path}: {what}; declare it on a plain APIRouter instead")
+
+
+def _plan(route: APIRoute) -> _Plan:
+    d = route.dependant
+    for kind in ("query_params", "header_params", "cookie_params"):
+        if getattr(d, kind):
+            raise _refuse(route, f"{kind.replace('_', ' ')} are not handled")
+    if d.background_tasks_param_name or d.security_scopes_param_name:
+        raise _refuse(route, "background tasks and security scopes are not handled")
+    if d.http_connection_param_name or d.websocket_param_name:
+        raise _refuse(route, "connection parameters are not handled")
+    if not isinstance(route.response_class, DefaultPlaceholder):
+        raise _refuse(route, "a custom response class is not handled")
+    filters = (
+        route.response_model_include,
+        route.response_model_exclude,
+        route.response_model_exclude_unset,
+        route.response_model_exclude_defaults,
+        route.response_model_exclude_none,
+    )
+    if any(filters) or not route.response_model_by_alias:
+        raise _refuse(route, "response-model filters are not handled")
+    body_field = body_model = None
+    if d.body_params:
+        (body_field,) = d.body_params
+        model = body_field.field_info.annotation
+        if not (inspect.isclass(model) and issubclass(model, BaseModel)):
+            raise _refuse(route, f"body {body_field.name!r} is not one pydantic model")
+        if (
+            getattr(body_field.field_info, "embed", False)
+            or not body_field.field_info.is_required()
+        ):
+            raise _refuse(route, f"body {body_field.name!r} is embedded or optional")
+        body_model = model
+    deps = []
+    for sub in d.dependencies:
+        if sub.dependencies or sub.path_params or sub.query_params or sub.header_params:
+            raise _refuse(route, f"dependency {sub.name!r} takes more than the request")
+        if sub.body_params or sub.cookie_params or sub.response_param_name:
+            raise _refuse(route, f"dependency {sub.name!r} takes more than the request")
+        if not inspect.iscoroutinefunction(sub.call) or sub.request_param_name is None:
+            raise _refuse(route, f"dependency {sub.name!r} is not `async def dep(request)`")
+        deps.append((sub.name, sub.call))
+    for field in d.path_params:
+        if field.field_info.annotation is not str:
+            raise _refuse(route, f"path parameter {field.name!r} is not a str")
+    return _Plan(
+        body_field,
+        body_model,
+        d.request_param_name,
+        d.response_param_name,
+        tuple(deps),  # type: ignore[arg-type]
+        tuple(f.name for f in d.path_params),
+    )
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test: `application/json` or `application/<anything>+json`, any parameters."""
+    if not content_type:
+        return False
+    kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def agent_handler(route: APIRoute) -> Handler:
+    """The per-request function of `route` (see the module docstring for what it serves)."""
+    plan = _plan(route)
+    endpoint = route.endpoint
+    if not inspect.iscoroutinefunction(endpoint):
+        raise _refuse(route, "the endpoint is not `async def`")
+    response_model, default_status = route.response_model, route.status_code
+
+    async def parse(request: Request) -> tuple[BaseModel | None, RequestValidationError | None]:
+        """The validated body, or the error to raise once the dependencies have run.
+
+        Validation goes straight from the bytes; a body it refuses is decoded and checked
+        again by FastAPI's own field, so that the error a client gets is FastAPI's, word
+        for word (pydantic words some errors differently when it reads JSON itself).
+        """
+        raw = await request.body()
+        if not raw:
+            return None, RequestValidationError([get_missing_field_error(loc=("body",))])
+        assert plan.body_model is not None and plan.body_field is not None
+        value: Any = raw  # without a JSON content type FastAPI validates the bytes, in vain
+        if _is_json(request.headers.get("content-type")):
+            try:
+                return plan.body_model.model_validate_json(raw), None
+            except ValidationError:
+                pass
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as exc:  # before any dependency, as FastAPI decodes first
+                raise RequestValidationError(
+                    [
+                        {
+                            "type": "json_invalid",
+                            "loc": ("body", exc.pos),
+                            "msg": "JSON decode error",
+                            "input": {},
+                            "ctx": {"error": exc.msg},
+                        }
+                    ],
+                    body=exc.doc,
+                ) from None
+        _, errors = plan.body_field.validate(value, {}, loc=("body",))
+        return None, RequestValidationError(errors, body=value)
+
+    async def handle(request: Request) -> Response:
+        body = error = None
+        if plan.body_field is not None:
+            body, error = await parse(request)
+        values: dict[str, Any] = {}
+        for name, call in plan.dependencies:
+            values[name] = await call(request)
+        for name in plan.path_names:
+            values[name] = request.path_params[name]
+        if error is not None:
+            raise error
+        if plan.body_field is not None:
+            values[plan.body_field.name] = body
+        if plan.request_name is not None:
+            values[plan.request_name] = request
+        sub = None
+        if plan.response_name is not None:
+            sub = Response()
+            del sub.headers["content-length"]
+            sub.status_code = None  # type: ignore[assignment]
+            values[plan.response_name] = sub
+        result = await endpoint(**values)
+        if isinstance(result, Response):
+            return result
+        status = (sub.status_code if sub is not None else None) or default_status or 200
+        if route.response_field is None:
+            response: Response = JSONResponse(jsonable_encoder(result), status_code=status)
+        else:
+            if type(result) is response_model:  # FastAPI would validate it again, unchanged
+                content = result.model_dump_json(by_alias=True).encode()
+            else:
+                content = await serialize_response(
+                    field=route.response_field, response_content=result, dump_json=True
+                )
+            response = Response(content, status_code=status, media_type="application/json")
+        if sub is not None:
+            response.headers.raw.extend(sub.headers.raw)
+        return response
+
+    return handle

@@ -1,0 +1,169 @@
+"""`AgentRoute` answers as FastAPI's own route does, for every input shape an agent can send.
+
+Two apps with the same endpoints and the gateway's error funnel, one on FastAPI's
+`APIRoute`, one on `AgentRoute`: each request goes to both, and status, body
+and the headers an endpoint sets must match.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import pytest
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi.responses import PlainTextResponse
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.agent_route import AgentRoute
+from gateway.errors import AuthenticationFailed, install_error_handlers
+
+
+class Ask(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = Field(default=1, ge=1)
+    reply: str = "model"  # "model", "dict", "bad", "response", "status"
+
+
+class Answer(BaseModel):
+    id: str
+    text: str
+    note: str | None = None
+
+
+async def caller(request: Request) -> str:
+    key = request.headers.get("authorization", "")
+    if key != "Bearer good":
+        raise AuthenticationFailed("invalid API key", code="invalid_api_key")
+    return key
+
+
+async def episode(request: Request) -> str | None:
+    return request.path_params.get("episode_id")
+
+
+Caller = Annotated[str, Depends(caller)]
+Episode = Annotated[str | None, Depends(episode)]
+
+
+async def nested(who: Caller) -> str:
+    return who
+
+
+def make_app(route_class: type[APIRoute]) -> FastAPI:
+    router = APIRouter(route_class=route_class)
+
+    @router.post("/v1/ask", response_model=Answer)
+    async def ask(body: Ask, who: Caller, ep: Episode, request: Request, response: Response) -> Any:
+        response.headers["X-Episode"] = ep or "none"
+        if body.reply == "dict":
+            return {"id": "d", "text": body.model, "extra": "dropped"}
+        if body.reply == "bad":
+            return {"id": "d"}  # not an Answer: FastAPI refuses it as a server error
+        if body.reply == "response":
+            return PlainTextResponse("raw", headers={"X-Own": "1"})
+        if body.reply == "status":
+            response.status_code = 202
+        return Answer(id=request.url.path, text=f"{body.model}x{body.n}", note=who)
+
+    @router.get("/v1/things/{thing_id}")
+    async def thing(thing_id: str, who: Caller) -> dict[str, str]:
+        return {"thing": thing_id}
+
+    app = FastAPI()
+    install_error_handlers(app)
+    for prefix in ("", "/episodes/{episode_id}"):
+        app.include_router(router, prefix=prefix)
+    return app
+
+
+@pytest.fixture(scope="module")
+def clients() -> tuple[TestClient, TestClient]:
+    fastapi_app, agent_app = make_app(APIRoute), make_app(AgentRoute)
+    with (
+        TestClient(fastapi_app, raise_server_exceptions=False) as a,
+        TestClient(agent_app, raise_server_exceptions=False) as b,
+    ):
+        yield a, b
+
+
+GOOD = {"Authorization": "Bearer good", "Content-Type": "application/json"}
+BAD = {"Authorization": "Bearer nope", "Content-Type": "application/json"}
+
+CASES = [
+    ("ok", "/v1/ask", GOOD, b'{"model": "m", "n": 3}'),
+    ("under an episode", "/episodes/ep-1/v1/ask", GOOD, b'{"model": "m"}'),
+    ("unknown fields kept", "/v1/ask", GOOD, b'{"model": "m", "future": [1]}'),
+    ("dict answer", "/v1/ask", GOOD, b'{"model": "m", "reply": "dict"}'),
+    ("answer not the model", "/v1/ask", GOOD, b'{"model": "m", "reply": "bad"}'),
+    ("endpoint's own response", "/v1/ask", GOOD, b'{"model": "m", "reply": "response"}'),
+    ("status set", "/v1/ask", GOOD, b'{"model": "m", "reply": "status"}'),
+    ("not json", "/v1/ask", GOOD, b'{"model": '),
+    ("not json, bad key", "/v1/ask", BAD, b"{nope"),
+    ("bad key", "/v1/ask", BAD, b'{"model": "m"}'),
+    ("invalid body, bad key", "/v1/ask", BAD, b'{"n": 0}'),
+    ("missing field", "/v1/ask", GOOD, b'{"n": 2}'),
+    ("out of range", "/v1/ask", GOOD, b'{"model": "m", "n": 0}'),
+    ("wrong type", "/v1/ask", GOOD, b'{"model": ["m"]}'),
+    ("array body", "/v1/ask", GOOD, b'[{"model": "m"}]'),
+    ("scalar body", "/v1/ask", GOOD, b"17"),
+    ("empty body", "/v1/ask", GOOD, b""),
+    ("no content type", "/v1/ask", {"Authorization": "Bearer good"}, b'{"model": "m"}'),
+    ("text content type", "/v1/ask", GOOD | {"Content-Type": "text/plain"}, b'{"model": "m"}'),
+    ("+json type", "/v1/ask", GOOD | {"Content-Type": "application/x+json"}, b'{"model": "m"}'),
+    ("charset", "/v1/ask", GOOD | {"Content-Type": "application/json; charset=utf-8"}, b"{}"),
+    ("utf-8 text", "/v1/ask", GOOD, '{"model": "m\u00e9\u4e2d"}'.encode()),
+    ("nan", "/v1/ask", GOOD, b'{"model": "m", "n": NaN}'),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_same_answer_as_fastapi(clients, path: str, headers: dict, body: bytes) -> None:
+    expected, got = (c.post(path, content=body, headers=headers) for c in clients)
+    assert got.status_code == expected.status_code
+    assert got.content == expected.content
+    for name in ("content-type", "x-episode", "x-own"):
+        assert got.headers.get(name) == expected.headers.get(name)
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [("/v1/things/t-1", GOOD), ("/episodes/e/v1/things/x%20y", GOOD), ("/v1/things/t", BAD)],
+)
+def test_path_parameters_as_fastapi(clients, path: str, headers: dict) -> None:
+    expected, got = (c.get(path, headers=headers) for c in clients)
+    assert (got.status_code, got.content) == (expected.status_code, expected.content)
+
+
+def test_a_route_it_cannot_serve_is_refused_when_declared() -> None:
+    router = APIRouter(route_class=AgentRoute)
+    with pytest.raises(TypeError, match="query params are not handled"):
+
+        @router.get("/v1/search")
+        async def search(q: Annotated[str, Query()]) -> dict[str, str]:
+            return {"q": q}
+
+    with pytest.raises(TypeError, match="takes more than the request"):
+
+        @router.post("/v1/nested")
+        async def uses_nested(body: Ask, who: Annotated[str, Depends(nested)]) -> dict:
+            return {}
+
+    with pytest.raises(TypeError, match="not one pydantic model"):
+
+        @router.post("/v1/many")
+        async def many(body: Ask | list[Ask]) -> dict:
+            return {}
+
+
+def test_the_gateway_serves_its_sampling_routes_through_it() -> None:
+    from gateway.routes import chat, completions, messages, responses
+
+    for module in (chat, completions, messages, responses):
+        routes = [r for r in module.router.routes if isinstance(r, APIRoute)]
+        assert routes and all(isinstance(r, AgentRoute) for r in routes), module.__name__
