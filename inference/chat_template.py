@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class ChatTemplate:
         # the clock (Llama 3's `strftime_now`): its text changes with the date.
         clock = "strftime_now" in self.tokenizer.chat_template
         self.cache = RenderCache(max_bytes=0 if clock else 32 * 2**20)
+        self._decode_ids = ids_decoder(self.tokenizer)
 
     def render_text(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -100,27 +101,44 @@ class ChatTemplate:
         """
         parts, at = [], 0
         for start, end in sorted(answers):
-            parts += [self._text(ids[at:start]), self.answer_text(ids[start:end])]
+            parts += [self.template_text(ids[at:start]), self.answer_text(ids[start:end])]
             at = end
-        parts.append(self._text(ids[at:]))
+        parts.append(self.template_text(ids[at:]))
         return "".join(parts)
 
     def answer_text(self, output_ids: list[int]) -> str:
         """A sampled answer as rendered history holds it: its content, then its stop token."""
         if output_ids and output_ids[-1] in self.stop_token_ids:
-            return self.decode(output_ids[:-1]) + self._text(output_ids[-1:])
+            return self.decode(output_ids[:-1]) + self.template_text(output_ids[-1:])
         return self.decode(output_ids)
 
-    def _text(self, ids: list[int]) -> str:
-        """Template ids as text, special tokens included (they were encoded from text)."""
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+    def template_text(self, ids: list[int]) -> str:
+        """Ids as the text they spell, special tokens included (template ids were encoded
+        from text; a token-id prompt is stored as this text)."""
+        return self._decode_ids(ids, False)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled ids, without special tokens (the stop token is not content)."""
-        text = self.tokenizer.decode(
-            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        text = self._decode_ids(token_ids, True)
         # NUL cannot be stored in PostgreSQL text; the token ids keep the exact sample.
         return text.replace("\x00", "\ufffd")
+
+
+def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` for `tokenizer`, never cleaning up spaces.
+
+    A fast tokenizer's own (Rust) decode when it has one: transformers' `decode`
+    converts and checks its arguments around that same call, a cost on the event
+    loop for every answer stored, and without clean-up the text is the same
+    (tests/unit/test_incremental_decoder.py).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode
+
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    return decode

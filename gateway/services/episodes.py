@@ -45,15 +45,16 @@ def conversation_hash(messages: list[dict[str, Any]]) -> str:
     A tool call's arguments count as the JSON value they spell, not as their text:
     Anthropic's clients echo a call's `input` as an object, OpenAI's as the string.
     """
-    messages = [_canonical_calls(m) for m in messages]
-    canonical = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = _CANONICAL_JSON.encode([_canonical_calls(m) for m in messages])
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# json.dumps with these options builds this encoder anew on every call.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _canonical(message: dict[str, Any]) -> str:
-    return json.dumps(
-        _canonical_calls(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    return _CANONICAL_JSON.encode(_canonical_calls(message))
 
 
 def assistant_prefix_hashes(messages: list[dict[str, Any]]) -> dict[str, int]:

@@ -225,9 +225,7 @@ def finish_reason(sampled: str) -> str:
 
 def raw_decode(template: ChatTemplate, ids: list[int]) -> str:
     """Prompt text exactly as the ids spell it, special tokens included."""
-    return template.tokenizer.decode(
-        ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-    )
+    return template.template_text(ids)
 
 
 def add_token(out: CompletionLogprobs, template: ChatTemplate, token: int, lp, offset: int) -> None:

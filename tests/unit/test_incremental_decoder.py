@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gateway.services.streaming import IncrementalDecoder
-from inference.chat_template import ChatTemplate
+from inference.chat_template import ChatTemplate, ids_decoder
 from inference.types import truncate_at_stop
 
 
@@ -117,3 +118,23 @@ def test_the_same_pieces_as_decoding_the_whole_list(template, seed, raw) -> None
         assert ours.push(token) == ref.push(token)
     assert ours.flush() == ref.flush()
     assert ours.sent == ref.sent
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_template_decoding_is_transformers_decoding(template, seed) -> None:
+    """`ChatTemplate` decodes with the fast tokenizer's own decode: the same text as
+    transformers' `decode` without clean-up, special tokens skipped or kept."""
+    ids = _ids(template, random.Random(seed))
+    tok = template.tokenizer
+    kept = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    skipped = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert template.template_text(ids) == kept
+    assert template.decode(ids) == skipped.replace("\x00", "\ufffd")
+
+
+def test_a_tokenizer_without_a_fast_backend_decodes_through_transformers() -> None:
+    calls = []
+    slow = SimpleNamespace(decode=lambda ids, **kw: calls.append((ids, kw)) or "text")
+    assert ids_decoder(slow)([1, 2], False) == "text"
+    no_cleanup = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+    assert calls == [([1, 2], no_cleanup)]
