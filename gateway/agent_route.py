@@ -29,7 +29,8 @@ before any dependency runs; otherwise dependencies run first (a bad key is a
 401 whatever the body), then the body is validated; a body without a JSON
 content type, an empty body and a body that fails validation raise the same
 `RequestValidationError`, with `loc` starting at "body", that the error funnel
-(`gateway.errors`) turns into a 400; headers set on the `Response` parameter
+(`gateway.errors`) turns into a 400; a body that cannot be read (the client
+gone) is FastAPI's 400, not a 500; headers set on the `Response` parameter
 are added to a JSON answer and not to a `Response` the endpoint returns.
 """
 
@@ -45,10 +46,12 @@ from fastapi import Request, Response
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.dependencies.utils import get_missing_field_error
 from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute, serialize_response
 from pydantic import BaseModel, ValidationError
+
+from gateway.errors import APIError
 
 if TYPE_CHECKING:
     from fastapi._compat import ModelField
@@ -156,7 +159,12 @@ def agent_handler(route: APIRoute) -> Handler:
         again by FastAPI's own field, so that the error a client gets is FastAPI's, word
         for word (pydantic words some errors differently when it reads JSON itself).
         """
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except (HTTPException, APIError):  # a body limit's 413, as FastAPI lets it through
+            raise
+        except Exception as exc:  # the client gone mid-body, say: FastAPI's 400, not a 500
+            raise HTTPException(400, "There was an error parsing the body") from exc
         if not raw:
             return None, RequestValidationError([get_missing_field_error(loc=("body",))])
         assert plan.body_model is not None and plan.body_field is not None

@@ -167,3 +167,34 @@ def test_the_gateway_serves_its_sampling_routes_through_it() -> None:
     for module in (chat, completions, messages, responses):
         routes = [r for r in module.router.routes if isinstance(r, APIRoute)]
         assert routes and all(isinstance(r, AgentRoute) for r in routes), module.__name__
+
+
+@pytest.mark.parametrize("route_class", [APIRoute, AgentRoute])
+async def test_a_client_gone_mid_body_is_a_400_not_a_500(route_class) -> None:
+    """FastAPI answers a body it could not read with 400; `AgentRoute` too (a 500 would log
+    a traceback and count as a server error for every client that hangs up)."""
+    app = make_app(route_class)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/ask",
+        "raw_path": b"/v1/ask",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"authorization", b"Bearer good")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 400
