@@ -21,7 +21,10 @@ serves a request. That function handles the shapes an agent route has:
 
 A route with anything else (query or header parameters, nested or `yield`
 dependencies, a custom response class or response-model filters) is refused
-when the app is built, not served slower.
+when the app is built, not served slower. Dependencies given to the router
+(`APIRouter(dependencies=...)`) run like the route's own; ones given to
+`include_router` are not seen (FastAPI keeps them outside the route), so the
+app includes these routers without any.
 
 What a client sees is FastAPI's behaviour, kept on purpose (tests/unit/
 test_agent_route.py compares the two): a body that is not JSON is refused
@@ -74,7 +77,8 @@ class _Plan:
     body_model: type[BaseModel] | None
     request_name: str | None
     response_name: str | None
-    dependencies: tuple[tuple[str, Callable[[Request], Awaitable[Any]]], ...]
+    # (parameter, dependency); no parameter: a router's `dependencies=`, run for its checks
+    dependencies: tuple[tuple[str | None, Callable[[Request], Awaitable[Any]]], ...]
     path_names: tuple[str, ...]
 
 
@@ -116,9 +120,8 @@ def _plan(route: APIRoute) -> _Plan:
         body_model = model
     deps = []
     for sub in d.dependencies:
-        if sub.dependencies or sub.path_params or sub.query_params or sub.header_params:
-            raise _refuse(route, f"dependency {sub.name!r} takes more than the request")
-        if sub.body_params or sub.cookie_params or sub.response_param_name:
+        takes = (sub.dependencies, sub.path_params, sub.query_params, sub.header_params)
+        if any(takes) or sub.body_params or sub.cookie_params or sub.response_param_name:
             raise _refuse(route, f"dependency {sub.name!r} takes more than the request")
         if not inspect.iscoroutinefunction(sub.call) or sub.request_param_name is None:
             raise _refuse(route, f"dependency {sub.name!r} is not `async def dep(request)`")
@@ -198,7 +201,9 @@ def agent_handler(route: APIRoute) -> Handler:
             body, error = await parse(request)
         values: dict[str, Any] = {}
         for name, call in plan.dependencies:
-            values[name] = await call(request)
+            value = await call(request)
+            if name is not None:
+                values[name] = value
         for name in plan.path_names:
             values[name] = request.path_params[name]
         if error is not None:

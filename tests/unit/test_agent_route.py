@@ -161,6 +161,23 @@ def test_a_route_it_cannot_serve_is_refused_when_declared() -> None:
             return {}
 
 
+def test_a_router_dependency_runs_for_its_check() -> None:
+    router = APIRouter(route_class=AgentRoute, dependencies=[Depends(caller)])
+
+    @router.post("/v1/checked")
+    async def checked(body: Ask) -> dict[str, str]:
+        return {"model": body.model}
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(router)
+    with TestClient(app) as client:
+        good = client.post("/v1/checked", json={"model": "m"}, headers=GOOD)
+        bad = client.post("/v1/checked", json={"model": "m"}, headers=BAD)
+    assert (good.status_code, good.json()) == (200, {"model": "m"})
+    assert bad.status_code == 401
+
+
 def test_the_gateway_serves_its_sampling_routes_through_it() -> None:
     from gateway.routes import chat, completions, messages, responses
 
