@@ -55,13 +55,7 @@ The count. Counting the store for every new conversation cost three reads
 each (a third of the gateway's CPU under load, growing with the run's open
 episodes). So each process keeps one count per run, taken by one query that
 every concurrent caller shares, and a call that fits under a count at most
-`poll_s` old is admitted without reading the store. When the kept count is
-older, one new count is started and the calls that fit go on with the kept
-one meanwhile (up to `stale_s`, 5 s, old): the count reads every unconsumed
-episode of the run, so it takes longer as a run grows (14 ms at 30,000 open
-episodes on an idle machine), and with every new conversation waiting for
-it twice a second, one process served 7-20 % fewer plain calls under load
-than with the count kept for 30 s (issue #25's bench). Within one process that
+`poll_s` old is admitted without reading the store. Within one process that
 count never under-counts: what it admitted since is in its reservations,
 and what the trainer consumed since only makes the true load smaller. A call
 that does not fit under the kept count is checked against a fresh one before
@@ -226,12 +220,10 @@ class Admission:
         serving_version: Callable[[str], int | None] = lambda run_id: None,
         poll_s: float = 0.5,
         reservation_ttl_s: float = 300.0,
-        stale_s: float = 5.0,
     ) -> None:
         self.sessions = sessions
         self.serving_version = serving_version  # run id -> the version its backend serves
         self.poll_s = poll_s
-        self.stale_s = max(stale_s, poll_s)  # the oldest kept count a call goes on with
         self.reservation_ttl_s = reservation_ttl_s
         self._gates: dict[str, _Gate] = {}
 
@@ -342,16 +334,12 @@ class Admission:
         gate.reserved.add(ids, group, time.monotonic() + self.reservation_ttl_s)
 
     async def _load(self, run_id: str, gate: _Gate, max_age_s: float) -> Counter[str]:
-        """Unconsumed episodes per group, plus reservations not stored yet: the store's as
-        counted at most `max_age_s` ago, or, while a newer count is taken, the kept one if it
-        is at most `stale_s` old (`max_age_s` 0: always the newer one)."""
-        age = time.monotonic() - gate.counted_at
-        if age > max_age_s:
+        """Unconsumed episodes per group: the store's as counted at most `max_age_s` ago
+        (counted again otherwise), plus reservations not stored yet."""
+        if time.monotonic() - gate.counted_at > max_age_s:
             if gate.counting is None or gate.counting.done():
                 gate.counting = asyncio.create_task(self._count(run_id, gate))
-                gate.counting.add_done_callback(_log_failed_count)
-            if max_age_s == 0 or age > self.stale_s:
-                await asyncio.shield(gate.counting)  # one count for every caller waiting on it
+            await asyncio.shield(gate.counting)  # one count for every caller waiting on it
         return self._current(gate)
 
     @staticmethod
@@ -379,13 +367,6 @@ class Admission:
             version = await run_version(s, run_id)
         gate.stored, gate.counted_at = stored, started
         gate.version = max(gate.version, version or 0)
-
-
-def _log_failed_count(task: asyncio.Task[None]) -> None:
-    """A count nobody waited for failed (the database away): said here, not lost; the next
-    call past `poll_s` starts another."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("counting the store for admission failed: %r", task.exception())
 
 
 def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:

@@ -308,69 +308,6 @@ async def test_a_call_the_kept_count_turns_away_is_checked_against_a_fresh_count
     await admission.admit(run, cfg, new("c", "h"))  # no 429 from the minute-old count
 
 
-async def test_a_call_that_fits_goes_on_while_the_next_count_is_taken(
-    sessions, monkeypatch
-) -> None:
-    # The count reads every unconsumed episode of the run: it takes longer as the run grows,
-    # and new conversations must not all wait for it twice a second.
-    import gateway.services.admission as admission_module
-
-    real = admission_module.unconsumed_by_group
-    release = asyncio.Event()
-    counts = 0
-
-    async def slow_after_the_first(s, run_id):
-        nonlocal counts
-        counts += 1
-        if counts > 1:
-            await release.wait()
-        return await real(s, run_id)
-
-    monkeypatch.setattr(admission_module, "unconsumed_by_group", slow_after_the_first)
-    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
-    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
-    admission = Admission(sessions, poll_s=0.01, stale_s=60)
-    await admission.admit(run, cfg, new("n0", link="new"))  # no count kept yet: waits for one
-    await asyncio.sleep(0.05)  # the kept count is older than poll_s now
-    await asyncio.wait_for(admission.admit(run, cfg, new("n1", link="new")), 5)
-    await asyncio.sleep(0.05)
-    assert counts == 2  # a new count is under way (held), and the call did not wait for it
-    late = asyncio.create_task(admission.admit(run, cfg, new("n2", link="new")))
-    await asyncio.sleep(0.05)
-    assert late.done() and counts == 2  # the count in flight is shared, not started again
-    release.set()
-    await asyncio.sleep(0.05)
-    async with sessions() as s:
-        assert (await admission.usage(s, run, cfg)).in_use == 4  # a + three reservations
-
-
-async def test_a_kept_count_older_than_stale_s_is_waited_for(sessions, monkeypatch) -> None:
-    import gateway.services.admission as admission_module
-
-    real = admission_module.unconsumed_by_group
-    release = asyncio.Event()
-    counts = 0
-
-    async def slow_after_the_first(s, run_id):
-        nonlocal counts
-        counts += 1
-        if counts > 1:
-            await release.wait()
-        return await real(s, run_id)
-
-    monkeypatch.setattr(admission_module, "unconsumed_by_group", slow_after_the_first)
-    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
-    run = await seed(sessions, cfg.model_dump(), {})
-    admission = Admission(sessions, poll_s=0.01, stale_s=0.02)
-    await admission.admit(run, cfg, new("n0", link="new"))
-    await asyncio.sleep(0.05)  # older than stale_s
-    held = asyncio.create_task(admission.admit(run, cfg, new("n1", link="new")))
-    await asyncio.sleep(0.1)
-    assert not held.done()  # waits for the count in flight
-    release.set()
-    await asyncio.wait_for(held, 5)
-
-
 async def test_a_named_new_conversation_that_fits_reads_nothing_per_call(
     sessions, monkeypatch
 ) -> None:
