@@ -160,7 +160,9 @@ def test_the_leader_killed_another_schedules_and_every_process_swaps(
     admin = {"Authorization": f"Bearer {ADMIN}"}
     try:
         wait_healthy(url, up, timeout_s=180)
-        first = _wait("two gateway processes", lambda: len(g := _gateways(up)) == 2 and g)
+        first = _wait(
+            "two gateway processes", lambda: len(g := _gateways(up)) == 2 and g, timeout_s=180
+        )
         local = httpx.post(
             url + "/admin/v1/runs",
             json={"name": "local", "model": "tiny", "backend": "local"},
