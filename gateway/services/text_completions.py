@@ -71,7 +71,7 @@ class TextCompletionService:
                 raise InvalidRequest(
                     f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="prompt"
                 )
-            prompt_ids, text = prompt, raw_decode(template, prompt)
+            prompt_ids, text = prompt, template.template_text(prompt)
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: it encodes to no tokens", param="prompt")
         # No chat template, but the template's end tokens still end a ChatML turn.
@@ -223,11 +223,6 @@ def finish_reason(sampled: str) -> str:
     return "length" if sampled == "length" else "stop"
 
 
-def raw_decode(template: ChatTemplate, ids: list[int]) -> str:
-    """Prompt text exactly as the ids spell it, special tokens included."""
-    return template.template_text(ids)
-
-
 def add_token(out: CompletionLogprobs, template: ChatTemplate, token: int, lp, offset: int) -> None:
     out.tokens.append(template.tokenizer.decode([token]))
     out.token_logprobs.append(lp)
@@ -236,7 +231,7 @@ def add_token(out: CompletionLogprobs, template: ChatTemplate, token: int, lp, o
 
 def add_prompt_logprobs(out: CompletionLogprobs, template: ChatTemplate, ids: list[int]) -> None:
     """Echoed prompt tokens: their strings and offsets, with null logprobs (never scored)."""
-    decoder = IncrementalDecoder(lambda xs: raw_decode(template, xs))
+    decoder = IncrementalDecoder(template.template_text)
     for token in ids:
         add_token(out, template, token, None, len(decoder.sent))
         decoder.push(token)
