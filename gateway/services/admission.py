@@ -55,11 +55,18 @@ The count. Counting the store for every new conversation cost three reads
 each (a third of the gateway's CPU under load, growing with the run's open
 episodes). So each process keeps one count per run, taken by one query that
 every concurrent caller shares, and a call that fits under a count at most
-`poll_s` old is admitted without reading the store. Within one process that
-count never under-counts: what it admitted since is in its reservations,
-and what the trainer consumed since only makes the true load smaller. A call
-that does not fit under the kept count is checked against a fresh one before
-it waits. What other gateway processes admitted shows up once their
+`poll_s` old is admitted without reading the store. A count older than that
+is taken again in the background while calls go on under the kept one, for
+up to `stale_s`: a caller that waited for the recount stalled every new
+conversation of the process for the query's time, twice a second (25 ms at
+150,000 open episodes, most of a core's idle time under load). Within one
+process the kept count never under-counts: what it admitted since is in its
+reservations, and what the trainer consumed since only makes the true load
+smaller. That holds while a recount is in flight because the recount drops
+the reservations it found stored and replaces the count at one instant,
+after its last read, and only if no later-started count was applied first.
+A call that does not fit under the kept count is checked against a fresh
+one before it waits. What other gateway processes admitted shows up once their
 episodes are stored and the count is retaken (at most `poll_s` later), as
 their reservations never did; the capacity is a soft bound across processes.
 """
@@ -220,10 +227,12 @@ class Admission:
         serving_version: Callable[[str], int | None] = lambda run_id: None,
         poll_s: float = 0.5,
         reservation_ttl_s: float = 300.0,
+        stale_s: float = 5.0,
     ) -> None:
         self.sessions = sessions
         self.serving_version = serving_version  # run id -> the version its backend serves
         self.poll_s = poll_s
+        self.stale_s = max(stale_s, poll_s)  # calls go on under a count this old, no older
         self.reservation_ttl_s = reservation_ttl_s
         self._gates: dict[str, _Gate] = {}
 
@@ -238,8 +247,8 @@ class Admission:
         group = placement.group_id or UNGROUPED
         if not gate.waiters:  # FIFO: nobody overtakes those already waiting
             # the kept count first; a call it turns away gets a fresh count before it waits
-            for max_age_s in (self.poll_s, 0.0):
-                load = await self._load(run.id, gate, max_age_s)
+            for max_age_s, stale_s in ((self.poll_s, self.stale_s), (0.0, 0.0)):
+                load = await self._load(run.id, gate, max_age_s, stale_s)
                 if fits(load, group, len(ids), cfg, self._lag_of(run, gate)):
                     # A named episode may exist already (a later turn): it is reserved all
                     # the same, counted twice until the next count finds it stored. Asking
@@ -333,13 +342,19 @@ class Admission:
     def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
         gate.reserved.add(ids, group, time.monotonic() + self.reservation_ttl_s)
 
-    async def _load(self, run_id: str, gate: _Gate, max_age_s: float) -> Counter[str]:
+    async def _load(
+        self, run_id: str, gate: _Gate, max_age_s: float, stale_s: float = 0.0
+    ) -> Counter[str]:
         """Unconsumed episodes per group: the store's as counted at most `max_age_s` ago
-        (counted again otherwise), plus reservations not stored yet."""
-        if time.monotonic() - gate.counted_at > max_age_s:
+        (counted again otherwise, and waited for unless the kept count is at most
+        `stale_s` old), plus reservations not stored yet."""
+        age = time.monotonic() - gate.counted_at
+        if age > max_age_s:
             if gate.counting is None or gate.counting.done():
                 gate.counting = asyncio.create_task(self._count(run_id, gate))
-            await asyncio.shield(gate.counting)  # one count for every caller waiting on it
+                gate.counting.add_done_callback(_log_count_failure)
+            if age > stale_s:
+                await asyncio.shield(gate.counting)  # one count for every caller waiting on it
         return self._current(gate)
 
     @staticmethod
@@ -351,22 +366,34 @@ class Admission:
         return load
 
     async def _count(self, run_id: str, gate: _Gate, session: AsyncSession | None = None) -> None:
-        """Count the store once (on `session`, else a session of its own): drop reservations
-        now stored, keep the per-group count.
+        """Count the store once (on `session`, else a session of its own), then at one
+        instant drop the reservations found stored and keep the per-group count.
 
         Stored reservations are read before the count, so an episode stored between
         the two reads is counted twice (for a moment, the safe way), never not at all.
+        Until the count is applied, what it found stored stays reserved too, so callers
+        admitted meanwhile under the kept count over-count, never under-count. A count
+        that started before the one applied last is dropped: its reads are older.
         """
         started = time.monotonic()
         async with contextlib.AsyncExitStack() as stack:
             s = session or await stack.enter_async_context(self.sessions())
-            if gate.reserved:
-                for i in await stored_episode_ids(s, run_id, gate.reserved.ids()):
-                    gate.reserved.drop(i)
+            ids = gate.reserved.ids()
+            found = await stored_episode_ids(s, run_id, ids) if ids else []
             stored = Counter(await unconsumed_by_group(s, run_id))
             version = await run_version(s, run_id)
-        gate.stored, gate.counted_at = stored, started
         gate.version = max(gate.version, version or 0)
+        if started <= gate.counted_at:
+            return
+        for i in found:
+            gate.reserved.drop(i)
+        gate.stored, gate.counted_at = stored, started
+
+
+def _log_count_failure(task: asyncio.Task[None]) -> None:
+    """A background count's error (callers that waited for it got it too)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        logger.warning("admission count failed: %s", exc)
 
 
 def _over_capacity(run: Run, cfg: RunConfig) -> RateLimited:

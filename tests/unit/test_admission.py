@@ -356,3 +356,100 @@ def test_reservations_dropped_in_bulk_do_not_pile_up_in_the_expiry_queue() -> No
     assert len(r._order) <= 2 * len(r) + 1024
     r.expire(1e8)
     assert r.ids() == ["last"] and r.per_group == Counter({UNGROUPED: 1})
+
+
+class BlockableCount:
+    """`unconsumed_by_group` that can be held once it has read the store, before the count
+    goes back to `Admission._count` (which read the stored reservations before it)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import gateway.services.admission as admission_module
+
+        self.real = admission_module.unconsumed_by_group
+        self.open = asyncio.Event()
+        self.open.set()
+        self.entered = asyncio.Event()
+        self.counts = 0
+        self.held_only_first = False
+        monkeypatch.setattr(admission_module, "unconsumed_by_group", self)
+
+    async def __call__(self, s, run_id):
+        self.counts += 1
+        found = await self.real(s, run_id)
+        if self.entered.is_set() and self.held_only_first:
+            return found
+        self.entered.set()
+        await self.open.wait()
+        return found
+
+    def hold(self, only_the_next: bool = False) -> None:
+        """Hold the counts from now on until `open` is set (`only_the_next`: one count)."""
+        self.open.clear()
+        self.entered.clear()
+        self.held_only_first = only_the_next
+
+
+async def test_a_recount_in_flight_does_not_hold_calls_under_a_recent_count(
+    sessions, monkeypatch
+) -> None:
+    # Waiting for the recount stalled every new conversation of the process for the
+    # query's time, twice a second; within `stale_s` calls go on under the kept count.
+    count = BlockableCount(monkeypatch)
+    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {})
+    admission = Admission(sessions, poll_s=0.01, stale_s=3600)
+    await admission.admit(run, cfg, new("a", link="new"))
+    await asyncio.sleep(0.02)  # the kept count is past poll_s now
+    count.hold()
+    # a hang guard, not a timing: under the old rule this call waited for the held count
+    await asyncio.wait_for(admission.admit(run, cfg, new("b", link="new")), 30)
+    await count.entered.wait()  # ... and it started the recount, in the background
+    assert count.counts == 2
+    count.open.set()
+
+
+async def test_calls_during_a_recount_never_see_an_under_count(sessions, monkeypatch) -> None:
+    # The recount reads which reservations are stored, then counts. Dropping those
+    # reservations before the new count is in place left a moment when an admitted,
+    # stored episode was in neither: a call then was admitted past capacity.
+    count = BlockableCount(monkeypatch)
+    cfg = RunConfig(max_pending_episodes=1, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {})
+    admission = Admission(sessions, poll_s=0.01, stale_s=3600)
+    await admission.admit(run, cfg, new("a", link="path"))
+    await store_episode(sessions, "a")  # its first completion is stored
+    await asyncio.sleep(0.02)
+    count.hold()
+    first = asyncio.create_task(admission.admit(run, cfg, new("b", link="path")))
+    await count.entered.wait()  # the recount read the stored reservations and is held
+    during = asyncio.create_task(admission.admit(run, cfg, new("c", link="path")))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not during.done()  # not admitted under "a" counted nowhere: waits for the count
+    count.open.set()
+    for call in (first, during):
+        with pytest.raises(RateLimited):
+            await call
+    async with sessions() as s:
+        assert (await admission.usage(s, run, cfg)).in_use == 1
+
+
+async def test_a_count_that_started_before_the_one_applied_is_dropped(
+    sessions, monkeypatch
+) -> None:
+    count = BlockableCount(monkeypatch)
+    cfg = RunConfig(max_pending_episodes=100, admission_wait_s=0)
+    run = await seed(sessions, cfg.model_dump(), {"a": ("g", EpisodeStatus.OPEN)})
+    admission = Admission(sessions, poll_s=0.01, stale_s=3600)
+    count.hold(only_the_next=True)
+    async with sessions() as s:
+        older = asyncio.create_task(admission.usage(s, run, cfg))
+        await count.entered.wait()  # the older count has read the store's "a" and is held
+        await set_status(sessions, ["a"], status=EpisodeStatus.TRAINED)
+        async with sessions() as s2:
+            newer = await admission.usage(s2, run, cfg)  # a newer one, after "a" trained
+        assert newer.in_use == 0
+        count.open.set()
+        await older  # applied last
+    load = await admission._load(RUN, admission._gates[RUN], 3600, 3600)
+    assert load.total() == 0  # the older count did not bring "a" back
