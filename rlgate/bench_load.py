@@ -165,24 +165,27 @@ def measure(
     rounds: int = 1,
     run_load: Callable[..., dict[str, Any]] = load,
 ) -> dict[str, Any]:
-    """Latency at `latency_c` clients, then 2xx throughput at each level; `max_rps` the best.
+    """Latency at `latency_c` clients and 2xx throughput at each level; `max_rps` the best.
 
-    With `rounds` > 1 every level is loaded once per round (`round_orders`) and its
-    figures are the rounds' medians (`combine_rounds`): the best level and the
-    others are then read the same way, not one load against the best of several.
-    `settle` runs before each load: what an overloaded target still holds from the
-    last one must not be measured with the next. `run_load`: `load`'s stand-in in tests.
+    With `rounds` > 1 the latency load and every level are loaded once per round
+    (`round_orders`, the latency load first in the first round) and their figures are
+    the rounds' medians (`combine_rounds`): the best level and the others are then
+    read the same way, not one load against the best of several, and the added
+    latency is not one 5-second load's (which moved by 2-3 ms at 4 clients between
+    two runs of the same gateway on this machine). `settle` runs before each load:
+    what an overloaded target still holds from the last one must not be measured
+    with the next. `run_load`: `load`'s stand-in in tests.
     """
+    concurrencies = [latency_c, *levels]  # position 0: the latency load
 
     def settled(c: int) -> dict[str, Any]:
         settle()
         return run_load(target, c, seconds, loader, warmup)
 
-    latency = settled(latency_c)
-    samples: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
-    for order in round_orders(levels, max(1, rounds)):
-        for c in order:
-            samples[c].append(settled(c))
-    loads = [combine_rounds(samples[c]) for c in levels]
+    samples: list[list[dict[str, Any]]] = [[] for _ in concurrencies]
+    for order in round_orders(list(range(len(concurrencies))), max(1, rounds)):
+        for i in order:
+            samples[i].append(settled(concurrencies[i]))
+    latency, *loads = (combine_rounds(s) for s in samples)
     best = max(loads, key=lambda m: m["rps"])
     return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}

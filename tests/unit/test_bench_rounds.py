@@ -48,11 +48,12 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
     calls: list[int] = []
     settles: list[int] = []
     rates = {32: [500.0, 400.0, 450.0], 128: [600.0, 300.0, 550.0], 512: [580.0, 590.0, 100.0]}
+    latencies = [50.0, 45.0, 60.0]
 
     def fake_load(target: Any, c: int, seconds: float, loader: str, warmup: float) -> dict:
         calls.append(c)
         if c == 4:
-            return one_load(50.0, 5, concurrency=4)
+            return one_load(latencies.pop(0), 5, concurrency=4)
         return one_load(rates[c].pop(0), 10, concurrency=c)
 
     out = measure(
@@ -65,9 +66,11 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
         rounds=3,
         run_load=fake_load,
     )
-    assert calls == [4, 32, 128, 512, 512, 128, 32, 32, 128, 512]
+    assert calls == [4, 32, 128, 512, 512, 128, 32, 4, 4, 32, 128, 512]
     assert len(settles) == len(calls)  # settled before every load
     by_level = {m["concurrency"]: m for m in out["throughput"]}
     assert {c: m["rps"] for c, m in by_level.items()} == {32: 450.0, 128: 550.0, 512: 580.0}
-    assert out["max_rps"] == 580.0 and out["latency"]["rps"] == 50.0
+    assert out["max_rps"] == 580.0
+    assert out["latency"]["rps"] == 50.0  # the latency load is read over rounds too
+    assert [r["rps"] for r in out["latency"]["rounds"]] == [50.0, 45.0, 60.0]
     assert by_level[512]["requests"] == 30
