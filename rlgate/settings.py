@@ -190,7 +190,7 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a waiting call gets 429 after this long without a slot"
     )
     overload_lag_target_ms: float = Field(
-        25.0, gt=0, description="event-loop lag above which the adaptive limit shrinks"
+        10.0, gt=0, description="event-loop lag above which the adaptive limit shrinks"
     )
 
     # Per-key rate limits and token quotas (gateway/services/quotas.py); off without a Redis URL.
