@@ -59,7 +59,7 @@ every concurrent caller shares, and a call that fits under a count at most
 is taken again in the background while calls go on under the kept one, for
 up to `stale_s`: a caller that waited for the recount stalled every new
 conversation of the process for the query's time, twice a second (25 ms at
-150,000 open episodes, most of a core's idle time under load). Within one
+155,000 open episodes, and growing with the run). Within one
 process the kept count never under-counts: what it admitted since is in its
 reservations, and what the trainer consumed since only makes the true load
 smaller. That holds while a recount is in flight because the recount drops
