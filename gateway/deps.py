@@ -10,9 +10,9 @@ from fastapi import Depends, Path, Request
 from gateway.dashboard.auth import LoginRequired, Session, current_session, require_session
 from gateway.errors import AuthenticationFailed, NotFound
 from gateway.identifiers import id_from_header
-from gateway.keys import admin_key_matches, hash_key
+from gateway.identity import authenticated_run, identity_of
+from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
 from gateway.services.episodes import EpisodeRef
-from gateway.store.keys import run_for_key_hash
 from gateway.store.models import Run
 
 logger = logging.getLogger(__name__)
@@ -27,40 +27,24 @@ class AgentRequest(Protocol):
 
 
 def _bearer(request: Request) -> str:
-    """The caller's key: `Authorization: Bearer <key>` (OpenAI) or `x-api-key` (Anthropic)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    key = request.headers.get("x-api-key", "").strip()
-    if key:
-        return key
-    raise AuthenticationFailed(
-        "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-        code="missing_api_key",
-    )
+    """The caller's key, from its one identity (`gateway.identity`: Bearer or `x-api-key`)."""
+    return identity_of(request.scope).required_key()
 
 
 async def current_run(request: Request) -> Run:
     """The run whose agent key the caller presented (revoked keys do not count).
 
-    Looked up through the app's `RunKeyCache` (see there for when a change is seen).
+    Looked up once per request through the app's `RunKeyCache` (see there for when a
+    change is seen); a sampling call's was looked up by `AgentKeyCheck` already.
     """
-    key_hash = hash_key(_bearer(request))
-
-    async def lookup() -> Run | None:
-        async with request.app.state.sessions() as s:
-            return await run_for_key_hash(s, key_hash)
-
-    run = await request.app.state.run_keys.get_or_load(key_hash, lookup)
-    if run is None:
-        raise AuthenticationFailed("invalid API key", code="invalid_api_key")
-    return run
+    return await authenticated_run(request.app.state, request.scope)
 
 
 async def require_admin(request: Request) -> None:
     if not admin_key_matches(_bearer(request), request.app.state.admin_key):
         raise AuthenticationFailed("admin credential required", code="invalid_admin_key")
+    if dev_key_refused(request.app.state.admin_key, request.client and request.client.host):
+        raise AuthenticationFailed(DEV_KEY_OFF_LOOPBACK, code="dev_admin_key_off_loopback")
 
 
 def check_request(run: Run, body: AgentRequest, kind: str) -> None:

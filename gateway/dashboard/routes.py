@@ -31,7 +31,7 @@ from gateway.dashboard.auth import (
 )
 from gateway.deps import AgentBaseUrlDep, FeedSessionDep, PageSessionDep
 from gateway.errors import APIError
-from gateway.keys import admin_key_matches
+from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
 from gateway.protocol import RunCreate
 from gateway.store.status import EpisodeStatus
 
@@ -97,8 +97,11 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
     async def login(request: Request) -> Response:
         form = await read_form(request)
         check_csrf(request, form, request.cookies.get(LOGIN_CSRF_COOKIE, ""))
-        if not admin_key_matches(form.get("admin_key", ""), request.app.state.admin_key):
+        expected = request.app.state.admin_key
+        if not admin_key_matches(form.get("admin_key", ""), expected):
             return _redirect(f"{PREFIX}/login", "wrong admin key")
+        if dev_key_refused(expected, request.client and request.client.host):
+            return _redirect(f"{PREFIX}/login", DEV_KEY_OFF_LOOPBACK)
         cookie, _ = request.app.state.dashboard_signer.issue()
         resp = _redirect(f"{PREFIX}/")
         _cookie(resp, SESSION_COOKIE, cookie, request.app.state.dashboard_signer.ttl_s, request)
