@@ -8,6 +8,7 @@
     ├── Conflict                  409 conflict_error
     ├── Gone                      410 invalid_request_error (existed, removed for good)
     ├── Unprocessable             422 invalid_request_error
+    ├── RequestTimeout            408 invalid_request_error (body too slow)
     ├── PayloadTooLarge           413 invalid_request_error
     ├── RateLimited               429 rate_limit_error (with Retry-After)
     ├── Unavailable               503 service_unavailable (retryable)
@@ -100,6 +101,12 @@ class Gone(APIError):
     """The resource existed and was removed for good (a pruned checkpoint): retrying won't help."""
 
     status = 410
+
+
+class RequestTimeout(APIError):
+    """The request body did not arrive within the read deadline."""
+
+    status = 408
 
 
 class PayloadTooLarge(APIError):
