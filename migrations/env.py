@@ -16,6 +16,12 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
+    given = config.attributes.get("connection")
+    if given is not None:  # gateway.store.migrate: the connection holding the migration lock
+        context.configure(connection=given, target_metadata=target_metadata)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
     engine = make_sync_engine(config.get_main_option("sqlalchemy.url"))
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata)

@@ -86,6 +86,9 @@ class PolicyVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_path: Mapped[str] = mapped_column(String(1000))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The AdamW state the attempt that wrote this version saved (gateway.store.checkpoints);
+    # null: none recorded, the layout before attempt directories applies.
+    optimizer_path: Mapped[str | None] = mapped_column(String(1000), nullable=True)
 
 
 class Episode(Base):
