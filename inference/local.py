@@ -35,7 +35,8 @@ import torch
 from inference.backend import BackendError, BackendOverloaded
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.sampling import sample_row
-from inference.types import GenerateRequest, GenerateResult
+from inference.stop_strings import TextStop
+from inference.types import GenerateRequest, GenerateResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +301,7 @@ class LocalBackend:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [self._generator(r) for r in requests]
+        stops = [self._stop_check(r.params) for r in requests]
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lps: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
@@ -329,7 +331,8 @@ class LocalBackend:
                 out_lps[row].append(lp)
                 if jobs[row].on_token is not None:
                     jobs[row].on_token(token, lp)
-                if token in r.params.stop_token_ids or self._hit_stop(out_ids[row], r.params):
+                hit = stops[row] is not None and stops[row].push(token)
+                if token in r.params.stop_token_ids or hit:
                     finish[row] = "stop"
                 elif len(out_ids[row]) >= r.params.max_tokens:
                     finish[row] = "length"
@@ -344,13 +347,15 @@ class LocalBackend:
             for o, lp, f, v in zip(out_ids, out_lps, finish, versions, strict=True)
         ]
 
-    def _hit_stop(self, ids: list[int], params) -> bool:
-        """Whether the tail of the sampled text now contains a stop string."""
+    def _stop_check(self, params: SamplingParams) -> TextStop | None:
+        """A row's stop-string check: fed each sampled token, true once the text holds one.
+
+        Linear in the text whatever the stop strings are (`inference.stop_strings`): this
+        runs on the model thread, which every request sampled here waits on.
+        """
         if not params.stop or self.decode is None:
-            return False
-        window = max(len(s) for s in params.stop) + 8  # tokens: at least a char each
-        tail = self.decode(ids[-window:])
-        return any(s in tail for s in params.stop)
+            return None
+        return TextStop(self.decode, params.stop)
 
     @staticmethod
     def _generator(request: GenerateRequest) -> torch.Generator | None:

@@ -27,7 +27,9 @@ from gateway.protocol import Usage
 from gateway.services.completions import ChatService, Prepared, chat_usage, finish_reason
 from gateway.store.models import Completion
 from inference.backend import BackendError, TokenStream
+from inference.detokenize import Detokenizer
 from inference.reasoning import ThinkStream
+from inference.stop_strings import StopMatcher
 from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 
 logger = logging.getLogger(__name__)
@@ -52,54 +54,71 @@ class IncrementalDecoder:
     Holds back the bytes of an unfinished character, and any tail that could
     be the start of a stop string; never sends a stop string or what follows.
 
-    Each token decodes a window of the last few ids, not the whole list (which
-    made a stream quadratic: 1,024 tokens took ~100 ms of event-loop time). As
-    in vLLM's `detokenize_incrementally`, the new text is the decode of the
-    window from `_prefix` minus the decode of its part before `_read`: both
-    start at the same id, so a tokenizer that treats a decode's first token
-    specially (SentencePiece drops its leading space) does so in both. `flush`
-    decodes the whole list once, as the stored completion does.
+    Work per token does not grow with the text: a few ids are decoded
+    (`inference.detokenize.Detokenizer`), the new characters are fed to a stop
+    automaton (`inference.stop_strings.StopMatcher`), and only the unsent tail
+    (at most the held-back characters and the new ones) is kept as a string.
+    `flush` decodes the whole list once, as the stored completion does.
     """
 
     def __init__(self, decode, stop: tuple[str, ...] = ()) -> None:
         self.decode = decode
         self.stop = stop
-        self.ids: list[int] = []
-        self.sent = ""
-        self._text = ""  # the decoded text of ids[:_read]
-        self._prefix = 0  # the window starts here...
-        self._read = 0  # ...and its text up to here is in `_text` already
+        self._text = Detokenizer(decode)
+        self._matcher = StopMatcher(stop)
+        self._sent: list[str] = []
+        self.n_sent = 0  # characters sent
+        # The text after what was sent; None while the text (rewritten by a whole decode)
+        # does not start with what was sent, when each token reads the whole text again.
+        self._tail: str | None = ""
 
-    def _visible(self, text: str, final: bool) -> str:
-        cut = truncate_at_stop(text, self.stop)
-        if cut != text or final:
-            return cut
-        hold = max(
-            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-        )
-        return text[: len(text) - hold]
+    @property
+    def ids(self) -> list[int]:
+        return self._text.ids
+
+    @property
+    def sent(self) -> str:
+        """Everything sent so far (joined here: O(length); `n_sent` is its length)."""
+        if len(self._sent) > 1:
+            self._sent = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        window = self.decode(self.ids[self._prefix :])
-        if window.endswith("\ufffd"):
-            return ""  # an unfinished character: wait for its next bytes
-        before = self.decode(self.ids[self._prefix : self._read])
-        if window.startswith(before):
-            self._text += window[len(before) :]
-        else:  # the window does not extend its own prefix: read the whole list
-            self._text = self.decode(self.ids)
-        self._prefix, self._read = self._read, len(self.ids)
-        return self._advance(self._visible(self._text, final=False))
+        piece = self._text.push(token)
+        if piece is None or self._tail is None:
+            if piece is None:  # rewritten, not extended: match the whole text again
+                self._matcher.reset()
+                self._matcher.feed(self._text.text)
+            else:
+                self._matcher.feed(piece)
+            return self._advance_whole(self._text.text, self._matcher.visible())
+        if self._matcher.match is not None:
+            return ""  # nothing after a stop string is sent, and what is before it went out
+        self._matcher.feed(piece)
+        self._tail += piece
+        n = self._matcher.visible() - self.n_sent
+        if n <= 0:
+            return ""
+        out, self._tail = self._tail[:n], self._tail[n:]
+        self._sent.append(out)
+        self.n_sent += n
+        return out
 
     def flush(self) -> str:
-        return self._advance(self._visible(self.decode(self.ids), final=True))
+        text = self.decode(self.ids)
+        return self._advance_whole(text, len(truncate_at_stop(text, self.stop)))
 
-    def _advance(self, visible: str) -> str:
-        if not visible.startswith(self.sent):
+    def _advance_whole(self, text: str, visible: int) -> str:
+        """The next piece when `text[:visible]` may be sent: what it adds to what was sent."""
+        sent = self.sent
+        self._tail = text[self.n_sent :] if text.startswith(sent) else None
+        if self._tail is None or visible <= self.n_sent:
             return ""
-        piece, self.sent = visible[len(self.sent) :], visible
-        return piece
+        out = text[self.n_sent : visible]
+        self._tail = text[visible:]
+        self._sent.append(out)
+        self.n_sent = visible
+        return out
 
 
 class BackendStream:

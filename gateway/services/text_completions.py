@@ -122,7 +122,7 @@ class TextCompletionService:
                 add_prompt_logprobs(logprobs, prep.serving.template, prep.prompt_ids)
             decoder = IncrementalDecoder(prep.serving.template.decode)
             for token, lp in zip(row.output_token_ids, row.output_logprobs, strict=True):
-                add_token(logprobs, prep.serving.template, token, lp, len(echo) + len(decoder.sent))
+                add_token(logprobs, prep.serving.template, token, lp, len(echo) + decoder.n_sent)
                 decoder.push(token)
         n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
         return TextCompletion(
@@ -200,7 +200,7 @@ class TextStream(BackendStream):
             yield self._chunk(echo, lps)
         pending: list[tuple[int, float, int]] = []
         async for token, logprob in self.tokens():
-            pending.append((token, logprob, len(echo) + len(decoder.sent)))
+            pending.append((token, logprob, len(echo) + decoder.n_sent))
             piece = decoder.push(token)
             if piece:
                 yield self._chunk(piece, self._logprobs(pending))
@@ -233,5 +233,5 @@ def add_prompt_logprobs(out: CompletionLogprobs, template: ChatTemplate, ids: li
     """Echoed prompt tokens: their strings and offsets, with null logprobs (never scored)."""
     decoder = IncrementalDecoder(template.template_text)
     for token in ids:
-        add_token(out, template, token, None, len(decoder.sent))
+        add_token(out, template, token, None, decoder.n_sent)
         decoder.push(token)
