@@ -15,6 +15,7 @@ from gateway.auth_cache import InvalidateOnAdminWrite, RunKeyCache
 from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
 from gateway.gc_tuning import tune_for_serving
+from gateway.identity import AgentKeyCheck, IdentityMiddleware
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware
 from gateway.metrics import router as prometheus_router
 from gateway.middleware import BodyLimit
@@ -124,9 +125,9 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.state.runs = (RemoteOnlyRuns if shared else RunService)(
             sessions, pool, settings.models_dir, local_trainer=not settings.broker_url
         )
-        app.state.keys = KeyService(sessions)
         app.state.replicas = ReplicaService(sessions, pool)
         install_admin_services(app.state, settings, sessions, pool, celery)
+        app.state.keys = KeyService(sessions, app.state.quotas)  # rotation keeps key limits
         app.state.key_quotas = KeyQuotaAdmin(app.state.quotas, sessions)
         app.state.scheduler = scheduler
         app.state.weight_sync = sync
@@ -180,13 +181,22 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
     )
     install_error_handlers(app)
 
-    app.state.run_keys = RunKeyCache(settings.auth_cache_ttl_s)
+    # Outermost last. A request meets: metrics, its identity (conflicting keys: 401), a
+    # sampling call's key checked (401 before any slot or body read), quotas (valid keys
+    # only), an overload slot, the body's size cap and read deadline, cache invalidation.
+    app.state.run_keys = RunKeyCache(
+        settings.auth_cache_ttl_s, max_lookups=settings.auth_max_lookups
+    )
     app.add_middleware(InvalidateOnAdminWrite, cache=app.state.run_keys)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
-    # Sheds sampling calls past capacity before any of their work (parsing, auth, quotas).
-    app.state.overload = OverloadGuard(settings.overload(), app.state.run_keys.get)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s
+    )
+    # Sheds sampling calls past capacity before any of their work but the key check.
+    app.state.overload = OverloadGuard(settings.overload())
     app.add_middleware(OverloadMiddleware, guard=app.state.overload)
+    app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
+    app.add_middleware(AgentKeyCheck)
+    app.add_middleware(IdentityMiddleware)
     app.state.metrics = GatewayMetrics()  # this app's own Prometheus registry
     app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
     app.state.metrics.registry.register(OverloadCollector(app.state.overload))

@@ -3,16 +3,22 @@
 Consistency contract:
 
 * A write through this process's admin API or dashboard (revoke, rotate,
-  pause, stop, update, delete, ...) empties the cache before its response
-  starts, so the caller's next request sees the change: "revoked at once"
+  pause, stop, update, delete, ...) empties the cache when its response
+  starts, after the handler's commit and before the client can send its next
+  request, so the caller's next request sees the change: "revoked at once"
   holds for every change made through this gateway.
-* A lookup that began before such a write is not cached (its generation is
+* A lookup that began before that moment is not cached (its generation is
   old), so a read racing the write cannot put the old state back.
+* Only a write that succeeded (status below 400) and carried an admin
+  credential (the admin key, or a dashboard session) empties the cache: a
+  stranger's `POST /admin/...` costs the agents nothing.
 * A change made elsewhere (another gateway process, the trainer marking a
   run failed) is seen within `ttl_s`. `ttl_s = 0` turns the cache off.
 
 Only successful lookups are cached: an unknown key always reaches the
-database, so guessing keys cannot fill memory.
+database, so guessing keys cannot fill memory; at most `max_lookups` such
+reads run at once (the rest wait their turn), so a flood of wrong keys
+cannot take the database pool from the rest of the gateway.
 
 Concurrent misses for one key share one lookup (when the entry expires
 under load, every agent of the run would otherwise read the database at
@@ -26,8 +32,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.dashboard.auth import current_session
+from gateway.identity import identity_of
+from gateway.keys import admin_key_matches
 from gateway.store.models import Run
 
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -35,10 +45,12 @@ _ADMIN_PATHS = ("/admin/", "/dashboard")
 
 
 class RunKeyCache:
-    def __init__(self, ttl_s: float = 1.0, max_entries: int = 10_000) -> None:
+    def __init__(self, ttl_s: float = 1.0, max_entries: int = 10_000, max_lookups: int = 4) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.generation = 0
+        self.lookups = 0  # store reads made (a figure for the tests)
+        self._lookup_slots = asyncio.Semaphore(max_lookups)
         self._entries: dict[str, tuple[Run, float]] = {}
         self._lookups: dict[str, asyncio.Future[Run | None]] = {}
 
@@ -69,11 +81,16 @@ class RunKeyCache:
             return run
         lookup = self._lookups.get(key_hash)
         if lookup is None:
-            lookup = asyncio.ensure_future(load())
+            lookup = asyncio.ensure_future(self._bounded(load))
             self._lookups[key_hash] = lookup
             lookup.add_done_callback(self._landed(key_hash, self.generation))
         # shielded: one caller going away does not cancel the others' lookup
         return await asyncio.shield(lookup)
+
+    async def _bounded(self, load: Callable[[], Awaitable[Run | None]]) -> Run | None:
+        async with self._lookup_slots:
+            self.lookups += 1
+            return await load()
 
     def _landed(self, key_hash: str, generation: int) -> Callable[[asyncio.Future], None]:
         def done(lookup: asyncio.Future[Run | None]) -> None:
@@ -93,11 +110,8 @@ class RunKeyCache:
 
 
 class InvalidateOnAdminWrite:
-    """ASGI middleware: an admin or dashboard write empties the cache before and after it runs.
-
-    "After" is the moment its response starts, i.e. after the handler's commit
-    and before the client can send its next request.
-    """
+    """ASGI middleware: an admin or dashboard write empties the cache as its response starts,
+    if it succeeded and carried an admin credential (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, cache: RunKeyCache) -> None:
         self.app = app
@@ -108,14 +122,24 @@ class InvalidateOnAdminWrite:
             scope["type"] != "http"
             or scope["method"] in _READS
             or not scope["path"].startswith(_ADMIN_PATHS)
+            or not _credentialed(scope)
         ):
             await self.app(scope, receive, send)
             return
-        self.cache.invalidate()
 
         async def send_after_write(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and message["status"] < 400:
                 self.cache.invalidate()
             await send(message)
 
         await self.app(scope, receive, send_after_write)
+
+
+def _credentialed(scope: Scope) -> bool:
+    """Whether the request carries the admin key or a dashboard session (checked again,
+    with the peer, by the route; this only decides whether its write may empty the cache)."""
+    state = scope["app"].state
+    key = identity_of(scope).key
+    if key is not None and admin_key_matches(key, state.admin_key):
+        return True
+    return current_session(Request(scope)) is not None

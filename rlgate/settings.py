@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     public_url: str = Field("", description="base URL handed to agents; empty: request's")
     model_cache_dir: Path | None = Field(None, description="default: data_dir")
     max_body_bytes: int = Field(4 * 1024 * 1024, description="larger request bodies get 413")
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request body must arrive within this; slower: 408, closed"
+    )
     max_batch_size: int = Field(32, ge=1, description="local backend batch size")
     backend_threads: int = Field(
         0, ge=0, description="torch threads of the gateway's local backend; 0: derived from cores"
@@ -132,6 +135,9 @@ class Settings(BaseSettings):
         ge=0,
         description="cache agent key -> run lookups this long; writes through this gateway "
         "invalidate at once, others are seen within it; 0: off",
+    )
+    auth_max_lookups: int = Field(
+        4, ge=1, description="store look-ups of uncached agent keys at once, per process"
     )
     full_scan_s: float = Field(
         2.0,
@@ -191,6 +197,13 @@ class Settings(BaseSettings):
     )
     overload_lag_target_ms: float = Field(
         10.0, gt=0, description="event-loop lag above which the adaptive limit shrinks"
+    )
+    overload_run_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="while other runs wait, the most of a process's slots one run holds "
+        "(1: no fair share)",
     )
 
     # Per-key rate limits and token quotas (gateway/services/quotas.py); off without a Redis URL.
@@ -302,6 +315,7 @@ class Settings(BaseSettings):
             max_queue=self.overload_max_queue,
             queue_timeout_s=self.overload_queue_timeout_s,
             lag_target_s=self.overload_lag_target_ms / 1000,
+            run_share=self.overload_run_share,
         )
 
     def metrics_sinks(self) -> MetricsSinkConfig:

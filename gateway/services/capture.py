@@ -21,12 +21,18 @@ Ordering contract:
   If the database is unreachable, every request of the batch gets a
   retryable 503 and nothing of the batch is written.
 * On PostgreSQL a batch is one round trip (`gateway.store.capture_pg`).
+
+Token usage: every stored completion's prompt and output token counts are
+added to the request's `StoredTokens` (if its caller set one, as
+`QuotaMiddleware` does): what a key is metered for is what was stored for
+it, on every endpoint, streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -60,6 +66,23 @@ def unavailable(exc: BaseException) -> Unavailable:
         "the database is unavailable; the completion was not stored, retry the request",
         code="database_unavailable",
     )
+
+
+@dataclass
+class StoredTokens:
+    """The tokens stored for one request: each completion's prompt plus its output (an
+    `n = 2` call stores, and counts, its prompt twice)."""
+
+    tokens: int = 0
+
+    def add(self, rows: list[Completion]) -> None:
+        self.tokens += sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows)
+
+
+# Set per request by whoever meters it; a context variable, so a stream's tasks share it.
+stored_tokens: contextvars.ContextVar[StoredTokens | None] = contextvars.ContextVar(
+    "stored_tokens", default=None
+)
 
 
 @dataclass
@@ -171,12 +194,14 @@ class CaptureWriter:
         if self._task is None or self._closing:
             # Not started (a service used without the app lifespan) or shutting down.
             await self._write_one(_Item(rows, group_id))
+            _count(rows)
             return
         item = _Item(rows, group_id)
         self._pending.append(item)
         self._wake.set()
         # Shielded: a client that goes away does not unsubmit its row; it is still written.
         await asyncio.shield(item.done)
+        _count(rows)
 
     async def _run(self) -> None:
         while True:
@@ -253,6 +278,13 @@ class CaptureWriter:
                     self._outage = True
                     raise unavailable(exc) from exc
                 raise
+
+
+def _count(rows: list[Completion]) -> None:
+    """Stored: the rows' tokens count for the request that stored them."""
+    usage = stored_tokens.get()
+    if usage is not None:
+        usage.add(rows)
 
 
 def _settle(item: _Item, error: BaseException | None) -> None:

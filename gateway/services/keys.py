@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import NotFound
+from gateway.errors import NotFound, Unavailable
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import ApiKeyCreated, ApiKeyPublic
+from gateway.services.quotas import QuotaService
 from gateway.store.keys import run_keys
 from gateway.store.models import ApiKey, Run
 
@@ -24,8 +26,13 @@ def _public(row: ApiKey) -> ApiKeyPublic:
 
 
 class KeyService:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+    """`quotas`: the quota store whose per-key limits a rotation carries over (None: off)."""
+
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], quotas: QuotaService | None = None
+    ) -> None:
         self.sessions = sessions
+        self.quotas = quotas
 
     async def create(self, run_id: str) -> ApiKeyCreated:
         key = new_key()
@@ -54,7 +61,12 @@ class KeyService:
             return _public(row)
 
     async def rotate(self, run_id: str, key_id: int) -> ApiKeyCreated:
-        """A new key for the run, and the old one revoked, in one transaction."""
+        """A new key for the run, and the old one revoked, in one transaction; the old key's
+        own limits (`gateway.services.quotas`) apply to the new one.
+
+        The limits are copied before the commit: if the quota store cannot be reached the
+        rotation fails whole (503) rather than mint a key that escapes its limits.
+        """
         key = new_key()
         async with self.sessions.begin() as s:
             old = await s.get(ApiKey, key_id)
@@ -64,4 +76,12 @@ class KeyService:
             row = ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key))
             s.add(row)
             await s.flush()
+            if self.quotas is not None:
+                try:
+                    await self.quotas.copy_limits(old.key_hash, row.key_hash)
+                except RedisError as exc:
+                    raise Unavailable(
+                        "the quota store (Redis) is unreachable; the key was not rotated",
+                        code="quota_store",
+                    ) from exc
             return ApiKeyCreated(**_public(row).model_dump(), api_key=key)

@@ -6,8 +6,10 @@ the database pool and the capture writer, so each one's latency grows with
 the number in flight and clients time out on work already half done. Here a
 sampling call (POST `/v1/chat/completions`, `/v1/completions`,
 `/v1/responses`, `/v1/messages`, under any episode prefix) takes a slot
-before any of its work starts and gives it back once its response (stream
-included) is sent:
+once its key is valid (`gateway.identity.AgentKeyCheck` runs first and
+answers a missing or wrong key 401 at once, so no stranger holds a slot)
+and before any other work starts (the body is read after), and gives it
+back once its response (stream included) is sent:
 
 * **slots.** Up to `limit` calls run at once per scope: this process,
   the caller's run, and the run's backend (its own, or the base model that
@@ -17,6 +19,13 @@ included) is sent:
   `max_queue` callers per scope; a freed slot goes to the oldest waiter
   (handed over, never raced for). A call that finds the queue full is
   answered at once.
+* **fair share.** While calls of other runs wait, one run holds at most
+  `run_share` (default 0.5) of the process's slots (and of a backend scope
+  that runs share): a freed slot goes to the oldest waiter of a run under
+  its share, and only when no such waiter exists to the oldest waiter. A
+  run alone may use every slot; a flooding run cannot starve the others,
+  which get the next slots freed. Nothing is preempted: a call already
+  holding a slot keeps it.
 * **deadline.** A waiter not given a slot within `queue_timeout_s` is
   answered then. Either answer is 429 `rate_limit_error`, code
   `overloaded`, with `retry-after-ms` and `Retry-After` (the `openai` SDK
@@ -43,21 +52,19 @@ A call whose client disconnects while it waits is dropped when its turn
 comes, before any of its work (its body is read first to tell), and counted
 as status 499, nginx's "client closed request".
 
-The first call of an API key in a process is bounded by the process alone:
-its run is known once authentication has cached it (`RunKeyCache`), so
-there is no database read here.
+The run of a call is the one `AgentKeyCheck` authenticated (through
+`RunKeyCache`), so the scopes cost no database read here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,7 +73,6 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import RateLimited, error_response
-from gateway.keys import hash_key
 from gateway.store.models import Run
 from inference import registry
 
@@ -90,10 +96,13 @@ class OverloadConfig:
     queue_timeout_s: float = 30.0
     lag_target_s: float = 0.010
     tick_s: float = 0.05
+    run_share: float = 0.5  # while other runs wait, one run's most of a shared scope's slots
 
     def __post_init__(self) -> None:
         if self.max_inflight and self.min_inflight > self.max_inflight:
             raise ValueError("overload_min_inflight exceeds overload_max_inflight: lower it")
+        if not 0 < self.run_share <= 1:
+            raise ValueError("overload_run_share must be in (0, 1]: 1 turns fair share off")
 
 
 class Overloaded(Exception):
@@ -105,40 +114,61 @@ class Overloaded(Exception):
 
 
 class Limiter:
-    """`limit` slots and a FIFO of at most `max_queue` waiters (0: unbounded)."""
+    """`limit` slots and a queue of at most `max_queue` waiters (0: unbounded).
 
-    def __init__(self, name: str, limit: int, max_queue: int) -> None:
+    Waiters queue per owner (a run; None for a call without one). A freed slot goes
+    to the oldest waiter whose owner holds fewer than `share` of the slots, else to the
+    oldest waiter (see "fair share" in the module docstring).
+    """
+
+    def __init__(self, name: str, limit: int, max_queue: int, share: float = 1.0) -> None:
         self.name = name
         self.limit = limit
         self.max_queue = max_queue
+        self.share = share
         self.inflight = 0
         self.inflight_peak = 0
         self.queue_peak = 0
         self.rejected = {"queue_full": 0, "deadline": 0}
         self.hold_s = 0.05  # moving average of how long a call holds a slot
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.held: dict[str | None, int] = {}  # slots per owner
+        self._queues: dict[str | None, deque[tuple[int, asyncio.Future[None]]]] = {}
+        self._queued = 0
+        self._seq = 0  # arrival order across the owners' queues
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._queued
 
     def _free(self) -> bool:
         return self.limit <= 0 or self.inflight < self.limit
 
-    async def acquire(self, deadline: float) -> bool:
-        """Take a slot, waiting in line until `deadline` (monotonic); else raise Overloaded.
+    def _take(self, owner: str | None) -> None:
+        self.inflight += 1
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
+        self.held[owner] = self.held.get(owner, 0) + 1
 
-        Returns whether the call had to wait.
+    def _give_back(self, owner: str | None) -> None:
+        left = self.held.get(owner, 0) - 1
+        if left > 0:
+            self.held[owner] = left
+        else:
+            self.held.pop(owner, None)
+
+    async def acquire(self, deadline: float, owner: str | None = None) -> bool:
+        """Take a slot for `owner`, waiting in line until `deadline` (monotonic); else raise
+        Overloaded. Returns whether the call had to wait.
         """
-        if self._free() and not self._waiters:
-            self.inflight += 1
-            self.inflight_peak = max(self.inflight_peak, self.inflight)
+        if self._free() and not self._queued:
+            self._take(owner)
             return False
-        if self.max_queue and len(self._waiters) >= self.max_queue:
+        if self.max_queue and self._queued >= self.max_queue:
             raise self._reject("queue_full")
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        self.queue_peak = max(self.queue_peak, len(self._waiters))
+        self._seq += 1
+        self._queues.setdefault(owner, deque()).append((self._seq, waiter))
+        self._queued += 1
+        self.queue_peak = max(self.queue_peak, self._queued)
         try:
             async with asyncio.timeout_at(_loop_time(deadline)):
                 await waiter
@@ -146,48 +176,76 @@ class Limiter:
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return True  # handed a slot as the deadline struck: it is ours
-            self._drop(waiter)
+            self._drop(owner, waiter)
             raise self._reject("deadline") from None
         except asyncio.CancelledError:  # the client went away while waiting
             if waiter.done() and not waiter.cancelled():
-                self.release()
-            self._drop(waiter)
+                self.release(owner)
+            self._drop(owner, waiter)
             raise
 
-    def release(self, held_s: float | None = None) -> None:
-        """Give the slot back: to the oldest waiter if any, else to the pool."""
+    def release(self, owner: str | None = None, held_s: float | None = None) -> None:
+        """Give `owner`'s slot back: to the next waiter (`_next`) if any, else to the pool."""
         if held_s is not None:
             self.hold_s += 0.1 * (held_s - self.hold_s)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                if self.limit <= 0 or self.inflight <= self.limit:
-                    waiter.set_result(None)  # the slot passes over; inflight is unchanged
-                    return
-                self._waiters.appendleft(waiter)  # the limit shrank: this slot goes
-                break
-        self.inflight -= 1
+        self._give_back(owner)
+        while self._queued and (self.limit <= 0 or self.inflight <= self.limit):
+            nxt, waiter = self._next()
+            if not waiter.done():  # (done: cancelled, its task about to leave the line)
+                self.held[nxt] = self.held.get(nxt, 0) + 1
+                waiter.set_result(None)  # the slot passes over; inflight is unchanged
+                return
+        self.inflight -= 1  # (over a shrunk limit: this slot goes, the waiters wait)
 
     def wake(self) -> None:
         """Admit waiters into slots a raised limit made free."""
-        while self._waiters and self._free():
-            waiter = self._waiters.popleft()
+        while self._queued and self._free():
+            owner, waiter = self._next()
             if not waiter.done():
-                self.inflight += 1
-                self.inflight_peak = max(self.inflight_peak, self.inflight)
+                self._take(owner)
                 waiter.set_result(None)
+
+    def _next(self) -> tuple[str | None, asyncio.Future[None]]:
+        """Take the waiter a slot goes to: the oldest of an owner under its share, else the
+        oldest. The caller makes sure one waits. Looks at each owner's first waiter only."""
+        cap = self.share * self.limit if self.share < 1 and self.limit > 0 else None
+        oldest = fair = None
+        for owner, line in self._queues.items():
+            seq = line[0][0]
+            if oldest is None or seq < oldest[0]:
+                oldest = (seq, owner)
+            under = cap is not None and self.held.get(owner, 0) < max(1, cap)
+            if under and (fair is None or seq < fair[0]):
+                fair = (seq, owner)
+        assert oldest is not None
+        owner = (fair or oldest)[1]
+        line = self._queues[owner]
+        _, waiter = line.popleft()
+        if not line:
+            del self._queues[owner]
+        self._queued -= 1
+        return owner, waiter
 
     def retry_after_s(self) -> float:
         """The wait a caller turned away now may expect: the line ahead, slot by slot."""
         slots = self.limit if self.limit > 0 else max(1, self.inflight)
-        wait = (len(self._waiters) + 1) * self.hold_s / slots
+        wait = (self._queued + 1) * self.hold_s / slots
         wait *= 1 + 0.5 * random.random()
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait))
 
-    def _drop(self, waiter: asyncio.Future[None]) -> None:
+    def _drop(self, owner: str | None, waiter: asyncio.Future[None]) -> None:
+        """A waiter that gave up leaves its line (a no-op if it was already taken out)."""
         waiter.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        line = self._queues.get(owner)
+        if line is None:
+            return
+        for i, (_, w) in enumerate(line):
+            if w is waiter:
+                del line[i]
+                self._queued -= 1
+                if not line:
+                    del self._queues[owner]
+                return
 
     def _reject(self, reason: str) -> Overloaded:
         self.rejected[reason] += 1
@@ -227,11 +285,10 @@ class AdaptiveLimit:
 class OverloadGuard:
     """Every scope's limiter in this process; `scopes` picks those of one call."""
 
-    def __init__(self, cfg: OverloadConfig, run_of: Callable[[str], Run | None]) -> None:
+    def __init__(self, cfg: OverloadConfig) -> None:
         self.cfg = cfg
-        self.run_of = run_of  # key hash -> run, from the auth cache (None: not cached)
         start = min(max(cfg.min_inflight, 64), cfg.max_inflight) if cfg.max_inflight else 0
-        self.process = Limiter("process", start, cfg.max_queue)
+        self.process = Limiter("process", start, cfg.max_queue, cfg.run_share)
         self.adaptive = (
             AdaptiveLimit(self.process, cfg)
             if cfg.max_inflight and cfg.min_inflight < cfg.max_inflight
@@ -239,31 +296,30 @@ class OverloadGuard:
         )
         self.limiters: dict[str, Limiter] = {}
         self.abandoned = 0  # calls whose client left while they waited: never started
-        self._keys: dict[str, tuple[str, str]] = {}  # key hash -> (run scope, backend scope)
+        self._backends: dict[str, str] = {}  # run id -> backend scope
 
-    def scopes(self, key_hash: str | None) -> list[Limiter]:
+    def scopes(self, run: Run | None) -> list[Limiter]:
         """The limiters a call takes, in order: its run's, its backend's, the process's."""
-        found = self._keys.get(key_hash) if key_hash else None
-        if found is None and key_hash:
-            run = self.run_of(key_hash)
-            if run is not None:
-                found = self._keys[key_hash] = (f"run:{run.id}", backend_scope(run))
-                if len(self._keys) > 100_000:
-                    self._keys.clear()
         out = []
-        if found is not None:
-            run_scope, backend = found
+        if run is not None:
+            backend = self._backends.get(run.id)
+            if backend is None:
+                backend = self._backends[run.id] = backend_scope(run)
+                if len(self._backends) > 100_000:
+                    self._backends.clear()
             if self.cfg.max_inflight_per_run:
-                out.append(self._limiter(run_scope, self.cfg.max_inflight_per_run))
+                out.append(self._limiter(f"run:{run.id}", self.cfg.max_inflight_per_run))
             if self.cfg.max_inflight_per_backend:
-                out.append(self._limiter(backend, self.cfg.max_inflight_per_backend))
+                out.append(
+                    self._limiter(backend, self.cfg.max_inflight_per_backend, self.cfg.run_share)
+                )
         out.append(self.process)
         return out
 
-    def _limiter(self, name: str, limit: int) -> Limiter:
+    def _limiter(self, name: str, limit: int, share: float = 1.0) -> Limiter:
         lim = self.limiters.get(name)
         if lim is None:
-            lim = self.limiters[name] = Limiter(name, limit, self.cfg.max_queue)
+            lim = self.limiters[name] = Limiter(name, limit, self.cfg.max_queue, share)
         return lim
 
     def all(self) -> list[Limiter]:
@@ -313,19 +369,6 @@ def backend_scope(run: Run) -> str:
     return f"backend:{run.id}"
 
 
-def _api_key(scope: Scope) -> str | None:
-    """The caller's key as `gateway.deps` reads it, without raising."""
-    bearer = api_key = None
-    for name, value in scope.get("headers") or ():
-        if name == b"authorization":
-            kind, _, token = value.decode("latin-1").partition(" ")
-            if kind.lower() == "bearer" and token.strip():
-                bearer = token.strip()
-        elif name == b"x-api-key":
-            api_key = value.decode("latin-1").strip() or None
-    return bearer or api_key
-
-
 class OverloadMiddleware:
     """ASGI middleware: a slot per scope for each sampling call, or a quick 429."""
 
@@ -341,23 +384,24 @@ class OverloadMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        key = _api_key(scope)
-        key_hash = hash_key(key) if key else None
+        # AgentKeyCheck (gateway.identity) ran first: a call here has a valid key and its run
+        run: Run | None = scope.get("state", {}).get("run")
+        owner = run.id if run is not None else None
         held: list[Limiter] = []
         waited = False
         deadline = time.monotonic() + self.guard.cfg.queue_timeout_s
         try:
-            for limiter in self.guard.scopes(key_hash):
-                waited |= await limiter.acquire(deadline)
+            for limiter in self.guard.scopes(run):
+                waited |= await limiter.acquire(deadline, owner)
                 held.append(limiter)
         except Overloaded as exc:
             for limiter in reversed(held):
-                limiter.release()
+                limiter.release(owner)
             await _too_busy(exc, scope, receive, send)
             return
         except BaseException:
             for limiter in reversed(held):
-                limiter.release()
+                limiter.release(owner)
             raise
         start = time.monotonic()
         try:
@@ -373,7 +417,7 @@ class OverloadMiddleware:
         finally:
             held_s = time.monotonic() - start
             for limiter in reversed(held):
-                limiter.release(held_s)
+                limiter.release(owner, held_s)
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

@@ -1,17 +1,27 @@
 """Per-key rate limits (requests per minute) and token quotas (tokens per UTC day) in Redis.
 
 Off unless `quota_redis_url` is set. A key's limits are its own (set through
-the admin API, stored in Redis next to its counters) or else the settings'
-defaults. Keys are identified by the SHA-256 of the agent key, as in the
-store, so the check needs no database round trip.
+the admin API, stored in Redis next to its counters; a rotated key's new
+hash inherits them) or else the settings' defaults. Keys are identified by
+the SHA-256 of the agent key, as in the store, so the check needs no extra
+database round trip. The key is the caller's one identity
+(`gateway.identity`: Bearer or `x-api-key`, conflicting keys refused), and
+only a valid key is counted: a wrong key counts against no run.
 
 Requests: a fixed one-minute window per key (`INCR` + `EXPIRE`); the call that
 goes over gets 429 with `Retry-After` = seconds to the next window. Tokens: a
-per-day counter of prompt + completion tokens, added after each answer from
-its `usage` (streams: from the `include_usage` chunk, else one token per
-content chunk, as the gateway streams token by token); once the day's count
+per-day counter of prompt + output tokens, added after each call from what
+the gateway itself stored for it (`gateway.services.capture.StoredTokens`:
+each stored completion's prompt and output token ids, so an `n = 2` call
+counts its prompt twice, as it stored it twice); every endpoint, streamed or
+not, is metered the same way and no response is parsed. Once the day's count
 reaches the quota, calls get 429 until the next UTC midnight. A call that
 starts under the quota finishes, so a day may end slightly over it.
+
+Answers to a key with limits carry OpenAI's headers, on 200s and 429s alike:
+`x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`,
+`x-ratelimit-reset-requests` (with a request limit) and the `-tokens` trio
+(with a token quota); resets are written as OpenAI does (`59s`, `6m0s`).
 
 If Redis cannot be reached the gateway serves anyway (fails open) and logs it:
 a quota outage must not take the API down.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -28,8 +39,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import RateLimited, error_response
-from gateway.keys import hash_key
+from gateway.errors import AuthenticationFailed, RateLimited, error_response
+from gateway.identity import authenticated_run, identity_of
+from gateway.services.capture import StoredTokens, stored_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +60,24 @@ class Limits:
 class Usage:
     requests_this_min: int
     tokens_today: int
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A key's limits and its counts as of one admitted (or refused) call."""
+
+    limits: Limits
+    requests_this_min: int
+    tokens_today: int
+    now: float
+
+
+class OverQuota(Exception):
+    """A call over a limit: the 429 to answer and the standing for its headers."""
+
+    def __init__(self, error: RateLimited, standing: Standing) -> None:
+        super().__init__(error.message)
+        self.error, self.standing = error, standing
 
 
 class QuotaService:
@@ -71,6 +101,12 @@ class QuotaService:
         }
         await self.redis.set(self._k("limits", key_hash), json.dumps(data))
 
+    async def copy_limits(self, old_hash: str, new_hash: str) -> None:
+        """A rotated key's own limits, given to its successor (defaults need no copy)."""
+        raw = await self.redis.get(self._k("limits", old_hash))
+        if raw is not None:
+            await self.redis.set(self._k("limits", new_hash), raw)
+
     async def limits(self, key_hash: str) -> Limits:
         raw = await self.redis.get(self._k("limits", key_hash))
         if raw is None:
@@ -85,28 +121,36 @@ class QuotaService:
         )
         return Usage(int(req or 0), int(tok or 0))
 
-    async def admit(self, key_hash: str, now: float | None = None) -> None:
-        """Count one request; raise RateLimited if the key is over either limit."""
+    async def admit(self, key_hash: str, now: float | None = None) -> Standing:
+        """Count one request; raise OverQuota if the key is over either limit."""
         now = time.time() if now is None else now
         limits = await self.limits(key_hash)
+        used = requests = 0
         if limits.tokens_per_day is not None:
             used = int(await self.redis.get(self._k("tok", key_hash, int(now // DAY_S))) or 0)
             if used >= limits.tokens_per_day:
-                raise RateLimited(
-                    f"token quota of {limits.tokens_per_day} per day used up",
-                    retry_after_s=max(1, int(DAY_S - now % DAY_S)),
-                    code="quota_exceeded",
+                raise OverQuota(
+                    RateLimited(
+                        f"token quota of {limits.tokens_per_day} per day used up",
+                        retry_after_s=max(1, int(DAY_S - now % DAY_S)),
+                        code="quota_exceeded",
+                    ),
+                    Standing(limits, requests, used, now),
                 )
         if limits.requests_per_min is not None:
             window = self._k("req", key_hash, int(now // 60))
             async with self.redis.pipeline(transaction=True) as pipe:
-                count, _ = await pipe.incr(window).expire(window, 120).execute()
-            if count > limits.requests_per_min:
-                raise RateLimited(
-                    f"rate limit of {limits.requests_per_min} requests per minute reached",
-                    retry_after_s=max(1, int(60 - now % 60)),
-                    code="rate_limit_exceeded",
+                requests, _ = await pipe.incr(window).expire(window, 120).execute()
+            if requests > limits.requests_per_min:
+                raise OverQuota(
+                    RateLimited(
+                        f"rate limit of {limits.requests_per_min} requests per minute reached",
+                        retry_after_s=max(1, int(60 - now % 60)),
+                        code="rate_limit_exceeded",
+                    ),
+                    Standing(limits, requests, used, now),
                 )
+        return Standing(limits, requests, used, now)
 
     async def add_tokens(self, key_hash: str, n: int, now: float | None = None) -> None:
         if n <= 0:
@@ -120,59 +164,35 @@ class QuotaService:
         await self.redis.aclose()
 
 
-class _TokenCounter:
-    """Reads `usage` from a JSON answer or an SSE stream as its body goes out."""
-
-    def __init__(self, streaming: bool) -> None:
-        self.streaming = streaming
-        self.body = bytearray()
-        self.tokens = 0
-        self.chunks = 0
-        self.usage_seen = False
-
-    def feed(self, data: bytes) -> None:
-        if not self.streaming:
-            if len(self.body) < 1 << 22:
-                self.body += data
-            return
-        self.body += data
-        *events, rest = bytes(self.body).split(b"\n\n")
-        self.body = bytearray(rest)
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-                    self._event(line[6:])
-
-    def _event(self, raw: bytes) -> None:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            self.tokens = _total(obj["usage"])
-            self.usage_seen = True
-        elif isinstance(obj, dict) and obj.get("choices"):
-            self.chunks += 1
-
-    def total(self) -> int:
-        if self.streaming:
-            return self.tokens if self.usage_seen else self.chunks
-        try:
-            usage = json.loads(bytes(self.body)).get("usage")
-        except (ValueError, AttributeError):
-            return 0
-        return _total(usage) if isinstance(usage, dict) else 0
+def _duration(s: float) -> str:
+    """A wait as OpenAI's `x-ratelimit-reset-*` headers write it: `59s`, `6m0s`, `1h2m3s`."""
+    s = max(0, math.ceil(s))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    return f"{m}m{sec}s" if m else f"{sec}s"
 
 
-def _total(usage: dict) -> int:
-    if isinstance(usage.get("total_tokens"), int):
-        return usage["total_tokens"]
-    parts = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-    return sum(int(usage.get(k) or 0) for k in parts)
+def ratelimit_headers(standing: Standing) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-*` headers for the limits a key has (none: no headers)."""
+    limits, now, out = standing.limits, standing.now, {}
+    if limits.requests_per_min is not None:
+        out["x-ratelimit-limit-requests"] = str(limits.requests_per_min)
+        left = max(0, limits.requests_per_min - standing.requests_this_min)
+        out["x-ratelimit-remaining-requests"] = str(left)
+        out["x-ratelimit-reset-requests"] = _duration(60 - now % 60)
+    if limits.tokens_per_day is not None:
+        out["x-ratelimit-limit-tokens"] = str(limits.tokens_per_day)
+        left = max(0, limits.tokens_per_day - standing.tokens_today)
+        out["x-ratelimit-remaining-tokens"] = str(left)
+        out["x-ratelimit-reset-tokens"] = _duration(DAY_S - now % DAY_S)
+    return out
 
 
 class QuotaMiddleware:
-    """Admits agent calls against `app.state.quotas` (absent: quotas off) and counts tokens."""
+    """Admits agent calls of valid keys against `app.state.quotas` (absent: quotas off),
+    adds the `x-ratelimit-*` headers, and counts the tokens the call stored."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -185,37 +205,39 @@ class QuotaMiddleware:
         if scope["type"] != "http" or quotas is None or not path.startswith(AGENT_PREFIXES):
             await self.app(scope, receive, send)
             return
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            await self.app(scope, receive, send)  # the route answers 401
-            return
-        key_hash = hash_key(token.strip())
+        ident = identity_of(scope)
         try:
-            await quotas.admit(key_hash)
-        except RateLimited as exc:
-            await error_response(exc, scope["path"])(scope, receive, send)
-            return
-        except RedisError as exc:
-            logger.warning("quota check skipped, Redis unavailable: %s", exc)
+            await authenticated_run(scope["app"].state, scope)
+        except AuthenticationFailed:  # no key, or not a run's: the route answers 401
             await self.app(scope, receive, send)
             return
-        counter: _TokenCounter | None = None
+        key_hash = ident.key_hash
+        assert key_hash is not None
+        try:
+            standing = await quotas.admit(key_hash)
+        except OverQuota as exc:
+            response = error_response(exc.error, path)
+            response.headers.update(ratelimit_headers(exc.standing))
+            await response(scope, receive, send)
+            return
+        except RedisError as exc:
+            logger.warning("quota check of %s skipped, Redis unavailable: %s", ident.label, exc)
+            await self.app(scope, receive, send)
+            return
+        headers = [(k.encode(), v.encode()) for k, v in ratelimit_headers(standing).items()]
 
-        async def counting_send(message: Message) -> None:
-            nonlocal counter
-            if message["type"] == "http.response.start" and message["status"] == 200:
-                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
-                counter = _TokenCounter(streaming=ctype.startswith(b"text/event-stream"))
-            elif message["type"] == "http.response.body" and counter is not None:
-                counter.feed(message.get("body", b""))
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start" and headers:
+                message["headers"] = [*message.get("headers", ()), *headers]
             await send(message)
 
+        usage = StoredTokens()
+        token = stored_tokens.set(usage)
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, receive, send_with_headers)
         finally:
-            if counter is not None:
-                try:
-                    await quotas.add_tokens(key_hash, counter.total())
-                except RedisError as exc:
-                    logger.warning("token count lost, Redis unavailable: %s", exc)
+            stored_tokens.reset(token)
+            try:
+                await quotas.add_tokens(key_hash, usage.tokens)
+            except RedisError as exc:
+                logger.warning("token count of %s lost, Redis unavailable: %s", ident.label, exc)

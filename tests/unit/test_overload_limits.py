@@ -144,7 +144,7 @@ def _app(guard: OverloadGuard, gate: asyncio.Event) -> OverloadMiddleware:
 
 async def test_the_middleware_answers_a_quick_openai_429_past_the_bound() -> None:
     cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=1, queue_timeout_s=FAR)
-    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    guard = OverloadGuard(cfg)
     gate = asyncio.Event()
     transport = httpx.ASGITransport(app=_app(guard, gate))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
@@ -168,7 +168,7 @@ async def test_the_middleware_answers_a_quick_openai_429_past_the_bound() -> Non
 
 async def test_a_call_whose_client_left_while_it_waited_is_never_started() -> None:
     cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=4, queue_timeout_s=FAR)
-    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    guard = OverloadGuard(cfg)
     gate = asyncio.Event()
     started: list[str] = []
 
@@ -204,7 +204,7 @@ async def test_a_call_whose_client_left_while_it_waited_is_never_started() -> No
 
 async def test_anthropic_paths_are_turned_away_in_anthropic_shape() -> None:
     cfg = OverloadConfig(max_inflight=1, min_inflight=1, max_queue=1, queue_timeout_s=0.01)
-    guard = OverloadGuard(cfg, run_of=lambda key_hash: None)
+    guard = OverloadGuard(cfg)
     await guard.process.acquire(later())  # the only slot is taken
     transport = httpx.ASGITransport(app=_app(guard, asyncio.Event()))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
