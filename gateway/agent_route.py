@@ -33,8 +33,14 @@ before any dependency runs; otherwise dependencies run first (a bad key is a
 content type, an empty body and a body that fails validation raise the same
 `RequestValidationError`, with `loc` starting at "body", that the error funnel
 (`gateway.errors`) turns into a 400; a body that cannot be read (the client
-gone) is FastAPI's 400, not a 500; headers set on the `Response` parameter
+gone) is FastAPI's 400, not a 500; JSON that Python's parser cannot read
+(nested past its recursion limit, bytes that are not UTF-8/16/32, an integer
+past its digit limit) is FastAPI's 400 "There was an error parsing the body",
+before any dependency runs, and JSON only Python's parser reads (a BOM, UTF-16)
+is accepted as FastAPI accepts it; headers set on the `Response` parameter
 are added to a JSON answer and not to a `Response` the endpoint returns.
+One departure: a string with a lone surrogate (`"\\ud800"`), which FastAPI let
+through to a 500 wherever the text was encoded, is refused as invalid JSON.
 """
 
 from __future__ import annotations
@@ -147,6 +153,46 @@ def _is_json(content_type: str | None) -> bool:
     return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+def _json_invalid(pos: int, why: str, doc: str | bytes) -> RequestValidationError:
+    return RequestValidationError(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body", pos),
+                "msg": "JSON decode error",
+                "input": {},
+                "ctx": {"error": why},
+            }
+        ],
+        body=doc,
+    )
+
+
+def _decode(raw: bytes) -> Any:
+    """The body as Python's `json` reads it, refused as FastAPI refuses it (both before any
+    dependency runs): not JSON is a `json_invalid` 400; JSON that cannot be read (nested past
+    the recursion limit, not UTF-8/16/32, an integer past Python's digit limit) is FastAPI's
+    400 "There was an error parsing the body", never the 500 of an escaped RecursionError."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _json_invalid(exc.pos, exc.msg, exc.doc) from None
+    except (RecursionError, ValueError) as exc:  # ValueError: UnicodeDecodeError, digits
+        raise HTTPException(400, "There was an error parsing the body") from exc
+
+
+def _check_encodable(value: Any) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate from a `\\ud800` escape).
+
+    Pydantic's parser refuses them; Python's lets them through, and FastAPI then failed
+    with a 500 wherever the text was encoded (the tokenizer, the store, the answer).
+    """
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise _json_invalid(0, "a string holds a lone surrogate", "") from exc
+
+
 def agent_handler(route: APIRoute) -> Handler:
     """The per-request function of `route` (see the module docstring for what it serves)."""
     plan = _plan(route)
@@ -177,22 +223,11 @@ def agent_handler(route: APIRoute) -> Handler:
                 return plan.body_model.model_validate_json(raw), None
             except ValidationError:
                 pass
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as exc:  # before any dependency, as FastAPI decodes first
-                raise RequestValidationError(
-                    [
-                        {
-                            "type": "json_invalid",
-                            "loc": ("body", exc.pos),
-                            "msg": "JSON decode error",
-                            "input": {},
-                            "ctx": {"error": exc.msg},
-                        }
-                    ],
-                    body=exc.doc,
-                ) from None
-        _, errors = plan.body_field.validate(value, {}, loc=("body",))
+            value = _decode(raw)
+        validated, errors = plan.body_field.validate(value, {}, loc=("body",))
+        if not errors:  # JSON that only Python's parser reads (a BOM, UTF-16), as FastAPI does
+            _check_encodable(value)
+            return validated, None
         return None, RequestValidationError(errors, body=value)
 
     async def handle(request: Request) -> Response:

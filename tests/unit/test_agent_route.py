@@ -26,6 +26,7 @@ class Ask(BaseModel):
     model: str
     n: int = Field(default=1, ge=1)
     reply: str = "model"  # "model", "dict", "bad", "response", "status"
+    items: list[dict[str, int]] | None = None
 
 
 class Answer(BaseModel):
@@ -117,6 +118,42 @@ CASES = [
     ("charset", "/v1/ask", GOOD | {"Content-Type": "application/json; charset=utf-8"}, b"{}"),
     ("utf-8 text", "/v1/ask", GOOD, '{"model": "m\u00e9\u4e2d"}'.encode()),
     ("nan", "/v1/ask", GOOD, b'{"model": "m", "n": NaN}'),
+    # Malformed bodies of every kind (see tests/security/test_malformed_bodies.py for the
+    # gateway's endpoints): FastAPI answers each with a 4xx, never a 500.
+    ("deeply nested array", "/v1/ask", GOOD, b"[" * 100_000 + b"]" * 100_000),
+    ("deeply nested object", "/v1/ask", GOOD, b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
+    (
+        "deeply nested field",
+        "/v1/ask",
+        GOOD,
+        b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ),
+    ("nested unclosed", "/v1/ask", GOOD, b"[" * 100_000),
+    ("invalid utf-8", "/v1/ask", GOOD, b'{"model": "m\xff\xfe"}'),
+    ("invalid utf-8 in a key", "/v1/ask", GOOD, b'{"mod\xc3el": "m"}'),
+    ("wrong type, depth 1", "/v1/ask", GOOD, b'{"model": {"a": [1]}}'),
+    ("wrong type, depth 2", "/v1/ask", GOOD, b'{"model": "m", "items": [{"k": "v"}]}'),
+    ("wrong type, depth 3", "/v1/ask", GOOD, b'{"model": "m", "items": [{"k": [1]}], "n": "x"}'),
+    ("duplicate keys", "/v1/ask", GOOD, b'{"model": "a", "model": "b", "n": 1, "n": 2}'),
+    ("duplicate keys, last bad", "/v1/ask", GOOD, b'{"model": "a", "n": 1, "n": 0}'),
+    ("huge exponent", "/v1/ask", GOOD, b'{"model": "m", "n": 1e999999}'),
+    ("huge integer", "/v1/ask", GOOD, b'{"model": "m", "n": ' + b"9" * 100_000 + b"}"),
+    ("huge integer elsewhere", "/v1/ask", GOOD, b'{"model": "m", "x": ' + b"9" * 100_000 + b"}"),
+    ("huge negative integer", "/v1/ask", GOOD, b'{"model": "m", "n": -' + b"9" * 5_000 + b"}"),
+    ("infinity", "/v1/ask", GOOD, b'{"model": "m", "n": Infinity}'),
+    ("-infinity", "/v1/ask", GOOD, b'{"model": "m", "n": -Infinity}'),
+    ("nan elsewhere", "/v1/ask", GOOD, b'{"model": "m", "x": NaN}'),
+    ("top-level string", "/v1/ask", GOOD, b'"model"'),
+    ("top-level null", "/v1/ask", GOOD, b"null"),
+    ("truncated", "/v1/ask", GOOD, b'{"model": "m", "n": 1'),
+    ("truncated string", "/v1/ask", GOOD, b'{"model": "m'),
+    ("trailing garbage", "/v1/ask", GOOD, b'{"model": "m"} x'),
+    ("two documents", "/v1/ask", GOOD, b'{"model": "m"}{"model": "m"}'),
+    ("utf-8 bom", "/v1/ask", GOOD, b'\xef\xbb\xbf{"model": "m"}'),
+    ("utf-16 body", "/v1/ask", GOOD, '{"model": "m"}'.encode("utf-16")),
+    ("nul byte", "/v1/ask", GOOD, b'{"model": "m\x00"}'),
+    ("deeply nested, bad key", "/v1/ask", BAD, b"[" * 100_000 + b"]" * 100_000),
+    ("invalid utf-8, bad key", "/v1/ask", BAD, b'{"model": "\xff"}'),
 ]
 
 
@@ -129,6 +166,15 @@ def test_same_answer_as_fastapi(clients, path: str, headers: dict, body: bytes) 
     assert got.content == expected.content
     for name in ("content-type", "x-episode", "x-own"):
         assert got.headers.get(name) == expected.headers.get(name)
+
+
+def test_a_lone_surrogate_is_a_400_where_fastapi_answered_500(clients) -> None:
+    """FastAPI's parser lets `"\\ud800"` through and its answer then fails to encode."""
+    body = b'{"model": "\\ud800"}'
+    expected, got = (c.post("/v1/ask", content=body, headers=GOOD) for c in clients)
+    assert expected.status_code == 500
+    assert got.status_code == 400
+    assert got.json()["error"]["code"] == "invalid_json"
 
 
 @pytest.mark.parametrize(
