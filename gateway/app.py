@@ -16,7 +16,7 @@ from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
 from gateway.gc_tuning import tune_for_serving
 from gateway.identity import AgentKeyCheck, IdentityMiddleware
-from gateway.metrics import GatewayMetrics, PrometheusMiddleware
+from gateway.metrics import GatewayMetrics, PrometheusMiddleware, multiprocess_dir
 from gateway.metrics import router as prometheus_router
 from gateway.middleware import BodyLimit
 from gateway.routes import (
@@ -116,6 +116,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
             max_batch=settings.capture_max_batch,
             linger_s=settings.capture_linger_s,
         )
+        capture.on_commit = app.state.metrics.committed  # counted once in the store
         capture.start()
         app.state.capture = capture
         admission = Admission(sessions, pool.serving_version)
@@ -197,7 +198,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
     app.add_middleware(QuotaMiddleware)  # per-key limits, when quotas are on
     app.add_middleware(AgentKeyCheck)
     app.add_middleware(IdentityMiddleware)
-    app.state.metrics = GatewayMetrics()  # this app's own Prometheus registry
+    app.state.metrics = GatewayMetrics(multiprocess_dir())  # this app's own registry
     app.add_middleware(PrometheusMiddleware, metrics=app.state.metrics)
     app.state.metrics.registry.register(OverloadCollector(app.state.overload))
 

@@ -1,119 +1,151 @@
-"""Prometheus metrics: a registry per app, request middleware, and store-derived families.
+"""Prometheus metrics: counters kept as events happen, request middleware, `/metrics` itself.
 
-Request counts and latencies are recorded by `PrometheusMiddleware` labelled
-by route template (not the raw path, so label cardinality stays bounded) and
-status. Token totals, queue depth, served versions and episodes by status are
-read from the store when `/metrics` is scraped: they are then exact for every
-gateway process sharing the store, streaming answers included.
+A scrape costs the same whatever the store holds: it runs no SQL. Request
+counts and latencies are recorded by `PrometheusMiddleware` labelled by route
+template (not the raw path, so label cardinality stays bounded) and status;
+completions and their prompt and sampled tokens are counted when the capture
+writer commits them (`CaptureWriter.on_commit`), so a counter never runs ahead
+of the store.
+
+Several gateway processes on one port (`rlgate up --workers N`): a scrape
+reaches one of them, so the event counters use prometheus_client's
+multiprocess mode, which `rlgate.serve` turns on by setting
+`PROMETHEUS_MULTIPROC_DIR` (a fresh folder under the data dir) before the
+processes start. Each process then writes its counters to a memory-mapped
+file of its own and a scrape sums the files: the cost is one small file per
+process, the counts are exact, and no write is added to the agent's path
+(keeping them in the store would add one contended row update per call). A
+process that dies keeps its file, so counters never go backwards. The
+per-process gauges (the leader, overload, served versions) stay per process,
+labelled by what they describe.
+
+`/metrics` needs the admin key unless `metrics_public`; then a caller without
+it gets no run id: run-labelled counters summed over runs, run-labelled gauges
+left out.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.store.completions import token_totals
-from gateway.store.episodes import episode_counts
-from gateway.store.runs import current_versions
-from gateway.store.steps import pending_steps_by_run
+from gateway.deps import require_admin
+from gateway.errors import AuthenticationFailed
+from gateway.store.models import Completion
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# prometheus_client's own switch (read when it is imported), set by `rlgate.serve`
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-@dataclass
-class StoreSnapshot:
-    """What the store said at the last scrape, per run."""
-
-    prompt_tokens: dict[str, int] = field(default_factory=dict)
-    output_tokens: dict[str, int] = field(default_factory=dict)
-    pending_steps: dict[str, int] = field(default_factory=dict)
-    current_version: dict[str, int] = field(default_factory=dict)
-    served_version: dict[str, int] = field(default_factory=dict)
-    episodes: dict[tuple[str, str], int] = field(default_factory=dict)
+def multiprocess_dir() -> Path | None:
+    """The folder the processes of `rlgate up --workers N` share their counters through."""
+    value = os.environ.get(MULTIPROC_ENV)
+    return Path(value) if value else None
 
 
-class StoreCollector(Collector):
+class ServedVersions(Collector):
+    """`rlgate_served_version{run_id}`: the policy version this process serves, per run."""
+
     def __init__(self) -> None:
-        self.snapshot = StoreSnapshot()
+        self.served: dict[str, Any] = {}  # run id -> RunServing, set by the scrape
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        families = [
-            (CounterMetricFamily, "rlgate_prompt_tokens", "prompt tokens sent to the backend"),
-            (CounterMetricFamily, "rlgate_output_tokens", "tokens sampled by the backend"),
-            (GaugeMetricFamily, "rlgate_pending_train_steps", "train steps queued or running"),
-            (GaugeMetricFamily, "rlgate_current_version", "newest policy version of the run"),
-            (GaugeMetricFamily, "rlgate_served_version", "policy version this gateway serves"),
-        ]
-        values = [
-            snap.prompt_tokens,
-            snap.output_tokens,
-            snap.pending_steps,
-            snap.current_version,
-            snap.served_version,
-        ]
-        for (kind, name, doc), by_run in zip(families, values, strict=True):
-            fam = kind(name, doc, labels=["run_id"])
-            for run_id, value in sorted(by_run.items()):
-                fam.add_metric([run_id], value)
-            yield fam
-        eps = GaugeMetricFamily(
-            "rlgate_episodes", "episodes by status", labels=["run_id", "status"]
+        fam = GaugeMetricFamily(
+            "rlgate_served_version", "policy version this gateway process serves", labels=["run_id"]
         )
-        for (run_id, status), n in sorted(snap.episodes.items()):
-            eps.add_metric([run_id, status], n)
-        yield eps
+        for run_id, serving in sorted(self.served.items()):
+            fam.add_metric([run_id], int(serving.backend.version))
+        yield fam
 
 
 class GatewayMetrics:
     """The app's own registry (never the process-global one) and its instruments."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared_dir: Path | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Multiprocess mode: the instruments' values live in files that the scrape sums, so
+        # they are kept out of the rendered registry (else this process's share twice).
+        instruments = CollectorRegistry() if shared_dir else self.registry
+        if shared_dir:
+            MultiProcessCollector(self.registry, path=str(shared_dir))
         self.requests = Counter(
             "rlgate_http_requests",
             "HTTP requests by route template, method and status",
             ["route", "method", "status"],
-            registry=self.registry,
+            registry=instruments,
         )
         self.latency = Histogram(
             "rlgate_http_request_duration_seconds",
             "time to the end of the response body",
             ["route", "method"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=instruments,
         )
-        self.store = StoreCollector()
-        self.registry.register(self.store)
-
-    async def refresh(self, sessions: async_sessionmaker[AsyncSession], served: dict) -> None:
-        async with sessions() as s:
-            tokens = await token_totals(s)
-            pending = await pending_steps_by_run(s)
-            versions = await current_versions(s)
-            episodes = await episode_counts(s)
-        self.store.snapshot = StoreSnapshot(
-            prompt_tokens={r: p for r, (p, _) in tokens.items()},
-            output_tokens={r: o for r, (_, o) in tokens.items()},
-            pending_steps=pending,
-            current_version=versions,
-            served_version={r: int(serving.backend.version) for r, serving in served.items()},
-            episodes=episodes,
+        self.completions = Counter(
+            "rlgate_completions", "completions captured", ["run_id"], registry=instruments
         )
+        self.prompt_tokens = Counter(
+            "rlgate_prompt_tokens",
+            "prompt tokens of the captured completions",
+            ["run_id"],
+            registry=instruments,
+        )
+        self.output_tokens = Counter(
+            "rlgate_output_tokens",
+            "sampled tokens of the captured completions",
+            ["run_id"],
+            registry=instruments,
+        )
+        self.served = ServedVersions()
+        self.registry.register(self.served)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def committed(self, rows: Iterable[Completion]) -> None:
+        """Count completions the capture writer has just committed."""
+        for row in rows:
+            self.completions.labels(row.run_id).inc()
+            self.prompt_tokens.labels(row.run_id).inc(len(row.prompt_token_ids))
+            self.output_tokens.labels(row.run_id).inc(len(row.output_token_ids))
+
+    def render(self, served: dict[str, Any], with_runs: bool = True) -> bytes:
+        """The text format; `with_runs=False`: no sample names a run (see the docstring)."""
+        self.served.served = served
+        return generate_latest(self.registry if with_runs else _WithoutRuns(self.registry))
+
+
+class _WithoutRuns:
+    """A registry's families with the `run_id` label gone: counters summed, gauges dropped."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.registry.collect():
+            if not any("run_id" in s.labels for s in fam.samples):
+                yield fam
+                continue
+            if fam.type != "counter":
+                continue
+            sums: dict[tuple, float] = {}
+            for s in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "run_id"))
+                sums[(s.name, labels)] = sums.get((s.name, labels), 0.0) + s.value
+            out = Metric(fam.name, fam.documentation, fam.type)
+            for (name, labels), value in sorted(sums.items()):
+                out.add_sample(name, dict(labels), value)
+            yield out
 
 
 class PrometheusMiddleware:
@@ -160,7 +192,14 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    """Prometheus text format. Unauthenticated, like most exporters: bind or firewall it."""
+    """Prometheus text format: the admin key, or anyone when `metrics_public` (no run ids)."""
     state = request.app.state
-    await state.metrics.refresh(state.sessions, state.pool.loaded())
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    try:
+        await require_admin(request)
+        admin = True
+    except AuthenticationFailed:
+        if not state.settings.metrics_public:
+            raise
+        admin = False
+    body = state.metrics.render(state.pool.loaded(), with_runs=admin)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 
 import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
+from gateway.metrics import MULTIPROC_ENV
 from gateway.store.migrate import upgrade
 from rlgate.lifeline import PARENT_ENV, die_with_parent
 from rlgate.settings import Settings
@@ -44,6 +46,12 @@ def serve(settings: Settings, host: str, port: int, workers: int = 1) -> None:
     settings.check_workers()
     upgrade(settings.resolved_database_url)
     os.environ.update(settings_env(settings))  # each worker builds these Settings
+    # Their /metrics counters add up through files here (gateway.metrics); a fresh folder,
+    # as the files of an earlier start would count again.
+    shared = settings.data_dir.resolve() / "metrics-processes"
+    shutil.rmtree(shared, ignore_errors=True)
+    shared.mkdir(parents=True)
+    os.environ[MULTIPROC_ENV] = str(shared)
     os.environ[PARENT_ENV] = str(os.getpid())  # ... and dies with this supervisor
     uvicorn.run(
         "rlgate.serve:app_from_env",

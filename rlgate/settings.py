@@ -101,6 +101,17 @@ class Settings(BaseSettings):
     admin_key: str = Field("", description="admin credential; empty only in dev_mode")
     dev_mode: bool = Field(True, description="allow the development admin key")
     public_url: str = Field("", description="base URL handed to agents; empty: request's")
+    metrics_public: bool = Field(
+        False, description="serve /metrics without the admin key (then without run ids)"
+    )
+    inference_api_key: str = Field(
+        "", description="sent as 'Authorization: Bearer' to vLLM/SGLang servers; empty: none"
+    )
+    weight_sync_secret: str = Field(
+        "",
+        description="shared by the trainer's weight server and its peers; required when "
+        "weight_sync_host is not loopback (the embedded stack generates one)",
+    )
     model_cache_dir: Path | None = Field(None, description="default: data_dir")
     max_body_bytes: int = Field(4 * 1024 * 1024, description="larger request bodies get 413")
     body_read_timeout_s: float = Field(

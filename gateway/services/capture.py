@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -156,6 +157,8 @@ class CaptureWriter:
         self.batches = 0  # commits made (a figure for the bench and the tests)
         self.rows = 0
         self._outage = False  # the last batch found the database unreachable
+        # called with the rows of each commit (the /metrics counters), never before it
+        self.on_commit: Callable[[list[Completion]], None] | None = None
 
     async def check(self) -> None:
         """Raise the outage's 503 if the last batch found the database unreachable and it
@@ -263,6 +266,8 @@ class CaptureWriter:
             raise
         self.batches += 1
         self.rows += sum(len(it.rows) for it in batch)
+        if self.on_commit is not None:
+            self.on_commit([row for it in batch for row in it.rows])
 
     async def _write_one(self, item: _Item) -> None:
         """One transaction for one request; a race creating its episode is retried."""

@@ -67,7 +67,9 @@ def test_the_example_gets_the_answer_the_gateway_stored(gateway_server, run) -> 
     assert users and users[-1].endswith("What is one plus two?")
     # Every request the CLI sent was answered 200: its mid-conversation system turn is
     # accepted, not refused with a 400 that it would work around by retrying.
-    metrics = httpx.get(gateway_server.url + "/metrics", timeout=30).text
+    metrics = httpx.get(
+        gateway_server.url + "/metrics", headers=gateway_server.admin_headers(), timeout=30
+    ).text
     answered = [
         line
         for line in metrics.splitlines()

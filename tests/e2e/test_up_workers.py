@@ -108,7 +108,8 @@ def _swapped(log: Path, run_id: str, version: int) -> set[int]:
 
 def _scrape(url: str) -> tuple[int, bool, dict[str, float]]:
     """One /metrics answer on a fresh connection: (pid, leads, served version per run)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    text = httpx.get(url + "/metrics", headers=auth, timeout=30).text
     pid, leads = map(int, re.search(r'rlgate_scheduler_leader\{pid="(\d+)"\} (\d)', text).groups())
     served = dict(re.findall(r'rlgate_served_version\{run_id="([^"]+)"\} (\S+)', text))
     return pid, bool(leads), {r: float(v) for r, v in served.items()}

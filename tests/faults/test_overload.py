@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from rlgate.stack import free_port, stop
-from tests.faults.conftest import knob, pg_rows
+from tests.faults.conftest import ADMIN_KEY, knob, pg_rows
 from tests.faults.load_agents import start_stub, warm_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,7 +28,8 @@ INFLIGHT, QUEUE = 4, 8
 
 
 def _overload_gauges(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    text = httpx.get(url + "/metrics", headers=auth, timeout=30).text
     out = {}
     for line in text.splitlines():
         if line.startswith("rlgate_overload_") and 'scope="process"' in line:
