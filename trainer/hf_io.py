@@ -1,4 +1,4 @@
-"""Write a full state dict as an untied Hugging Face directory, atomically, for inference."""
+"""Write a full state dict as an untied Hugging Face directory, whole and durable, for inference."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from gateway.store.checkpoints import fsync_dir, fsync_tree
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -18,17 +20,23 @@ TOKENIZER_FILES = (
 
 
 def publish_checkpoint(tmp: Path, out_dir: Path, tokenizer_dir: Path) -> None:
-    """Add the tokenizer files to the model written in `tmp`, then rename it over `out_dir`.
+    """Add the tokenizer files to the model written in `tmp`, fsync it, rename it to `out_dir`.
 
     Every engine writes its checkpoint to `tmp` first, so a reader never sees half of one.
+    `out_dir` must not exist: each step attempt writes its own directory
+    (`gateway.store.checkpoints`), so a directory that is there may already be committed,
+    and replacing it could leave a committed version without its files.
     """
     tmp, out_dir, tokenizer_dir = Path(tmp), Path(out_dir), Path(tokenizer_dir)
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
         if src.is_file() and not (tmp / name).exists():
             shutil.copy2(src, tmp / name)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists: a checkpoint is never written over")
+    fsync_tree(tmp)
     tmp.rename(out_dir)
+    fsync_dir(out_dir.parent)
 
 
 def write_untied_hf(
@@ -42,7 +50,7 @@ def write_untied_hf(
 
     A tied source model gets `lm_head.weight` as a copy of the embedding and
     `tie_word_embeddings: false` (vLLM's in-place reload skips tied weights).
-    Written to `out_dir.tmp`, then renamed, so a reader never sees half a checkpoint.
+    Written to `out_dir.tmp`, fsynced, then renamed, so a reader never sees half a checkpoint.
     The model class is built on the meta device from `config`: no second copy in memory.
     """
     from transformers import AutoModelForCausalLM

@@ -2,7 +2,12 @@
 
 Idempotent by (run, step): a step already done returns at once, and the
 version bump is a conditional update (`current_version == step`), so a
-retried or duplicated task can never advance the run twice. A torchrun engine
+retried or duplicated task can never advance the run twice. Each attempt
+writes its checkpoint and AdamW state under names of its own
+(`gateway.store.checkpoints`), fsyncs them, and the bump records them: two
+live attempts of one step (a resend after `step_timeout_s`, a redelivery)
+never write into the same directory, and the one that loses the bump removes
+what it wrote, leaving the committed version untouched. A torchrun engine
 (FSDP, Megatron) runs on the run's resident ranks (`trainer.resident_pool`),
 or, with `RLGATE_RESIDENT_RANKS=false`, on a fresh torchrun group per step.
 """
@@ -26,10 +31,18 @@ from celery.signals import worker_shutdown
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from gateway.store.checkpoints import (
+    attempt_dir,
+    fsync_tree,
+    garbage,
+    legacy_optimizer_dir,
+    optimizer_dir,
+    run_dir,
+)
 from gateway.store.db import make_sync_engine
 from gateway.store.episodes import mark_step_trained_sync, release_step_episodes_sync
 from gateway.store.models import PolicyVersion, Run, TrainStep
-from gateway.store.runs import advance_version_sync, lock_run_sync
+from gateway.store.runs import advance_version_sync, lock_run_sync, policy_versions_sync
 from gateway.store.status import StepStatus
 from inference.weight_sync import offer_path, saved
 from rlgate.settings import Settings
@@ -49,6 +62,10 @@ from trainer.weight_sync_steps import StepWeights, newest_saved, save_due
 logger = logging.getLogger(__name__)
 
 
+class StepLost(RuntimeError):
+    """Another attempt of the step committed first; this one's files are removed."""
+
+
 class Trainer:
     """Holds the store connection and one warm engine per run inside a worker process."""
 
@@ -56,6 +73,8 @@ class Trainer:
         self.settings = settings
         self.sessions = sessionmaker(make_sync_engine(settings.resolved_database_url))
         self.engines: dict[str, Engine] = {}  # in-process engines only (not torchrun)
+        # run -> the checkpoint directory of the attempt in progress in this worker
+        self.pending: dict[str, Path] = {}
         self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B/MLflow
         # torchrun engines: each run's ranks stay up between steps (trainer.resident_pool)
         self.resident = ResidentPool(settings.node(), settings.resident_idle_s, self._run_active)
@@ -80,7 +99,7 @@ class Trainer:
             Path(pv.checkpoint_path), run.current_version, cfg, reference_dir=Path(run.model_path)
         )
         if cfg.save_optimizer_state:  # a restarted worker resumes the moments saved on disk
-            engine.load_optimizer(self._optimizer_dir(run.id))
+            engine.load_optimizer(self._optimizer_of(session, run.id, run.current_version))
         self.engines[run.id] = engine
         return engine
 
@@ -95,6 +114,12 @@ class Trainer:
             row.status = StepStatus.RUNNING
         try:
             return self._train(run_id, step)
+        except StepLost as exc:
+            logger.warning("%s", exc)
+            self.engines.pop(run_id, None)  # it holds the lost attempt's weights
+            self.resident.discard(run_id)
+            self.weights.forget(run_id)
+            return {"run_id": run_id, "step": step, "version": step + 1, "skipped": True}
         except OperationalError:
             # The store itself is unreachable: nothing to mark. Celery retries the task with
             # backoff (see register_tasks); the step stays "running" until then.
@@ -112,6 +137,8 @@ class Trainer:
 
     def _train(self, run_id: str, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
+        engine: Engine | None = None  # in-process engines; torchrun ones start from `checkpoint`
+        checkpoint = optimizer_in = None
         with self.sessions() as s:
             run = s.get(Run, run_id)
             cfg = RunConfig.model_validate(run.config)
@@ -128,14 +155,101 @@ class Trainer:
                 if pv is None:
                     raise RuntimeError(f"run {run.id} has no checkpoint for v{run.current_version}")
                 checkpoint = Path(pv.checkpoint_path)
+                optimizer_in = self._optimizer_of(s, run_id, step, sharded=True)
             else:
                 engine = self.engine_for(run, cfg, s)
-        out = self.settings.checkpoints_dir / run_id / f"v{step + 1}"
+        out = attempt_dir(self.settings.checkpoints_dir, run_id, step + 1)
         out.parent.mkdir(parents=True, exist_ok=True)
-        if torchrun and self.settings.resident_ranks:
+        optimizer_out = optimizer_dir(out) if cfg.save_optimizer_state else None
+        self.pending[run_id] = out
+        committing = False  # past this point a failure may come after the commit landed
+        try:
+            metrics, threads = self._run_engine(
+                run_id, step, cfg, samples, out, optimizer_out, model_path,
+                engine=engine, checkpoint=checkpoint, optimizer_in=optimizer_in,
+            )  # fmt: skip
+            versions = [s.min_version for s in samples]
+            metrics |= {
+                "sequences": float(assembly.sequences),
+                "drift_segments": float(assembly.drift_segments),
+                "orphans_excluded": float(assembly.orphans_excluded),
+                "staleness_max": float(step - min(versions)),
+                "staleness_histogram": dict(sorted(Counter(step - v for v in versions).items())),
+                "staleness_mean": float(step - statistics.fmean(versions)),
+                "torch_threads": float(threads),  # per rank under torchrun
+            }
+            for written in (out, optimizer_out):  # on disk before the commit records them
+                if written is not None and written.exists():
+                    fsync_tree(written)
+            duration = time.perf_counter() - t0
+            committing = True
+            with self.sessions.begin() as s:
+                if not advance_version_sync(s, run_id, step):
+                    raise StepLost(
+                        f"run {run_id} moved past version {step} during this attempt of step "
+                        f"{step}: another attempt committed v{step + 1}; {out.name} is removed"
+                    )
+                s.add(
+                    PolicyVersion(
+                        run_id=run_id,
+                        version=step + 1,
+                        checkpoint_path=str(out),
+                        optimizer_path=str(optimizer_out) if optimizer_out else None,
+                    )
+                )
+                mark_step_trained_sync(s, run_id, step)
+                row = s.get(TrainStep, (run_id, step))
+                row.status = StepStatus.DONE
+                row.loss = metrics["loss"]
+                row.reward_mean = statistics.fmean(rewards)
+                row.reward_std = statistics.pstdev(rewards)
+                row.tokens = int(metrics["tokens"])
+                row.duration_s = duration
+                row.metrics = {"attempts": 1, **(row.metrics or {}), **metrics}  # keeps "resent"
+                row.finished_at = datetime.now(UTC)
+                logged = {
+                    **row.metrics, "reward_mean": row.reward_mean, "reward_std": row.reward_std
+                }  # fmt: skip
+        except BaseException as exc:
+            # Only this attempt's own files, and never once its commit may have landed (an
+            # error at COMMIT): those stay, and the sweep removes them if they are unrecorded.
+            if not committing or isinstance(exc, StepLost):
+                _remove_attempt(out)
+            raise
+        finally:
+            self.pending.pop(run_id, None)
+        self._prune(run_id, step + 1, cfg.keep_checkpoints)
+        logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
+        # after the commit: trackers only ever see a step that counted, and never fail it
+        if failed := self.sinks.log(tracked, step + 1, logged | {"duration_s": duration}):
+            self._record_sink_errors(run_id, step, failed)
+        return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
+
+    def _run_engine(
+        self,
+        run_id: str,
+        step: int,
+        cfg: RunConfig,
+        samples: list[Sample],
+        out: Path,
+        optimizer_out: Path | None,
+        model_path: Path,
+        *,
+        engine: Engine | None,
+        checkpoint: Path | None,
+        optimizer_in: Path | None,
+    ) -> tuple[dict[str, Any], int]:
+        """One step on the run's engine, the new version written under `out` and its AdamW
+        state under `optimizer_out`: (the step's metrics, torch threads per rank).
+
+        `engine`: the in-process engine; None for a torchrun engine, whose ranks start from
+        `checkpoint` and `optimizer_in` (version `step`)."""
+        if engine is None and self.settings.resident_ranks:
             threads = self._threads_per_rank(cfg.world_size)
-            metrics = self._resident_step(run_id, cfg, checkpoint, step, samples, out, model_path)
-        elif torchrun:  # torchrun ranks in a subprocess: this worker may be a child
+            metrics = self._resident_step(
+                run_id, cfg, checkpoint, step, samples, out, model_path, optimizer_in
+            )
+        elif engine is None:  # torchrun ranks in a subprocess: this worker may be a child
             threads = self._threads_per_rank(cfg.world_size)
             with tempfile.TemporaryDirectory(prefix="rlgate-samples-") as tmp:
                 metrics = run_fsdp_step(
@@ -148,13 +262,9 @@ class Trainer:
                     cfg.world_size,
                     parallel=cfg.parallel.model_dump(),
                     reference_dir=model_path if cfg.kl_coef > 0 or cfg.lora else None,
-                    # the state saved by the previous step, whichever worker ran it
-                    optimizer_in=self._fsdp_optimizer_dir(run_id, step)
-                    if cfg.save_optimizer_state
-                    else None,
-                    optimizer_out=self._fsdp_optimizer_dir(run_id, step + 1)
-                    if cfg.save_optimizer_state
-                    else None,
+                    # the state recorded with the previous version, whichever worker ran it
+                    optimizer_in=optimizer_in if cfg.save_optimizer_state else None,
+                    optimizer_out=optimizer_out,
                     threads_per_rank=threads,
                 )
         else:
@@ -168,41 +278,10 @@ class Trainer:
                     partial(engine.save, out, model_path),
                     partial(hf_state, engine.model),
                 )
-            if cfg.save_optimizer_state:
-                engine.save_optimizer(self._optimizer_dir(run_id))
+            if optimizer_out is not None:
+                engine.save_optimizer(optimizer_out)
             threads = torch.get_num_threads()
-        versions = [s.min_version for s in samples]
-        metrics |= {
-            "sequences": float(assembly.sequences),
-            "drift_segments": float(assembly.drift_segments),
-            "orphans_excluded": float(assembly.orphans_excluded),
-            "staleness_max": float(step - min(versions)),
-            "staleness_histogram": dict(sorted(Counter(step - v for v in versions).items())),
-            "staleness_mean": float(step - statistics.fmean(versions)),
-            "torch_threads": float(threads),  # per rank under torchrun
-        }
-        duration = time.perf_counter() - t0
-        with self.sessions.begin() as s:
-            if not advance_version_sync(s, run_id, step):
-                raise RuntimeError(f"run {run_id} moved past version {step} during the step")
-            s.add(PolicyVersion(run_id=run_id, version=step + 1, checkpoint_path=str(out)))
-            mark_step_trained_sync(s, run_id, step)
-            row = s.get(TrainStep, (run_id, step))
-            row.status = StepStatus.DONE
-            row.loss = metrics["loss"]
-            row.reward_mean = statistics.fmean(rewards)
-            row.reward_std = statistics.pstdev(rewards)
-            row.tokens = int(metrics["tokens"])
-            row.duration_s = duration
-            row.metrics = {"attempts": 1, **(row.metrics or {}), **metrics}  # keeps "resent"
-            row.finished_at = datetime.now(UTC)
-            logged = {**row.metrics, "reward_mean": row.reward_mean, "reward_std": row.reward_std}
-        self._prune(run_id, step + 1, cfg.keep_checkpoints)
-        logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
-        # after the commit: trackers only ever see a step that counted, and never fail it
-        if failed := self.sinks.log(tracked, step + 1, logged | {"duration_s": duration}):
-            self._record_sink_errors(run_id, step, failed)
-        return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
+        return metrics, threads
 
     def _resident_step(
         self,
@@ -213,6 +292,7 @@ class Trainer:
         samples: list[Sample],
         out: Path,
         model_path: Path,
+        optimizer_in: Path | None,
     ) -> dict[str, Any]:
         """The step on the run's resident ranks; a new group starts from `checkpoint` (v`step`)."""
         keep = cfg.save_optimizer_state  # every step; on release always (trainer.resident_pool)
@@ -222,7 +302,7 @@ class Trainer:
             version=step,
             reference_dir=str(model_path) if cfg.kl_coef > 0 or cfg.lora else None,
             # a new group resumes the moments saved for v`step`, after a step or on a release
-            optimizer_in=str(self._fsdp_optimizer_dir(run_id, step)),
+            optimizer_in=str(optimizer_in) if optimizer_in else None,
             run_id=run_id,
             weight_host=self.settings.weight_sync_host,
         )
@@ -233,7 +313,7 @@ class Trainer:
             samples,
             out,
             model_path,
-            optimizer_dir=partial(self._fsdp_optimizer_dir, run_id),
+            optimizer_dir=partial(self._optimizer_for, run_id),
             threads_per_rank=self._threads_per_rank(cfg.world_size),
             timeout_s=self.settings.step_timeout_s,
             every_step=keep,
@@ -265,13 +345,27 @@ class Trainer:
         """The trainer's thread budget split over torchrun ranks (OMP_NUM_THREADS of each)."""
         return max(1, self.settings.threads().trainer // max(1, world_size))
 
-    def _optimizer_dir(self, run_id: str) -> Path:
-        """The in-process engine's AdamW state: `optimizer.pt` in the run's checkpoint root."""
-        return self.settings.checkpoints_dir / run_id
+    def _optimizer_of(
+        self, session: Session, run_id: str, version: int, sharded: bool = False
+    ) -> Path | None:
+        """Where the AdamW state of committed `version` is: the recorded path, or the layout
+        before attempt directories for a version recorded without one (None: version 0)."""
+        pv = session.get(PolicyVersion, (run_id, version))
+        if pv is not None and pv.optimizer_path:
+            return Path(pv.optimizer_path)
+        if version == 0:
+            return None
+        return legacy_optimizer_dir(self.settings.checkpoints_dir, run_id, version, sharded)
 
-    def _fsdp_optimizer_dir(self, run_id: str, version: int) -> Path:
-        """The FSDP engine's sharded AdamW state after `version` (one directory per version)."""
-        return self.settings.checkpoints_dir / run_id / "optimizer-fsdp" / f"v{version}"
+    def _optimizer_for(self, run_id: str, version: int) -> Path:
+        """A resident group's AdamW destination for `version`: the attempt in progress
+        when it is the version being trained, else the committed version's recorded one."""
+        pending = self.pending.get(run_id)
+        if pending is not None and pending.name.startswith(f"v{version}."):
+            return optimizer_dir(pending)
+        with self.sessions() as s:
+            found = self._optimizer_of(s, run_id, version, sharded=True)
+        return found or legacy_optimizer_dir(self.settings.checkpoints_dir, run_id, version, True)
 
     def _fail(self, run_id: str, step: int, exc: Exception) -> None:
         """Mark the step failed and hand its episodes back, so the scheduler can retry it."""
@@ -287,15 +381,45 @@ class Trainer:
 
     def _prune(self, run_id: str, newest: int, keep: int) -> None:
         """Delete checkpoints but the newest `keep` saved ones (version 0 is the base model),
-        and the offers of every version but the newest."""
-        root = self.settings.checkpoints_dir / run_id
-        kept = set([v for v in range(newest, 0, -1) if saved(root / f"v{v}")][:keep])
-        for v in range(1, newest):
-            offer_path(root / f"v{v}").unlink(missing_ok=True)
-            if v in kept:
+        the offers of every version but the newest, and what lost or killed attempts left.
+
+        Only recorded paths are removed (and the attempt files no version records, which
+        can never be committed: `gateway.store.checkpoints.garbage`)."""
+        with self.sessions() as s:
+            versions = [pv for pv in policy_versions_sync(s, run_id) if 0 < pv.version <= newest]
+        paths = {pv.version: Path(pv.checkpoint_path) for pv in versions}
+        kept = [v for v in sorted(paths, reverse=True) if saved(paths[v])][:keep]
+        for pv in versions:
+            if pv.version == newest:
                 continue
-            shutil.rmtree(root / f"v{v}", ignore_errors=True)
-            shutil.rmtree(root / "optimizer-fsdp" / f"v{v}", ignore_errors=True)
+            offer_path(paths[pv.version]).unlink(missing_ok=True)
+            if pv.version in kept:
+                continue
+            shutil.rmtree(paths[pv.version], ignore_errors=True)
+            shutil.rmtree(
+                pv.optimizer_path
+                or legacy_optimizer_dir(self.settings.checkpoints_dir, run_id, pv.version, True),
+                ignore_errors=True,
+            )
+        root = run_dir(self.settings.checkpoints_dir, run_id)
+        recorded = set(paths.values()) | {
+            Path(pv.optimizer_path) for pv in versions if pv.optimizer_path
+        }
+        for path in garbage(root, recorded, newest):
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_attempt(out: Path) -> None:
+    """Every file an uncommitted attempt wrote under its own names."""
+    for path in out.parent.glob(f"{out.name}*"):
+        _remove(path)
 
 
 def register_tasks(app: Celery, settings: Settings) -> Trainer:

@@ -120,6 +120,14 @@ async def policy_versions(session: AsyncSession, run_id: str) -> list[PolicyVers
     return list((await session.execute(stmt)).scalars())
 
 
+def policy_versions_sync(session: Session, run_id: str) -> list[PolicyVersion]:
+    """`policy_versions` for the trainer's sync session."""
+    stmt = (
+        select(PolicyVersion).where(PolicyVersion.run_id == run_id).order_by(PolicyVersion.version)
+    )
+    return list(session.execute(stmt).scalars())
+
+
 def run_tables() -> list[Table]:
     """Every table holding a run's rows, children first (so the delete also holds where
     foreign keys are not enforced); tables added later are covered without a change here.
