@@ -349,4 +349,5 @@ class Settings(BaseSettings):
             result_backend=self.result_backend,
             data_dir=self.data_dir,
             queue_name=self.queue_name,
+            step_timeout_s=self.step_timeout_s,
         )

@@ -3,7 +3,8 @@
 Embedded default: kombu's filesystem transport. It needs no server, survives
 restarts (messages are files under the data directory) and still runs the
 real task code in a real `celery worker` process. Production: Redis as broker
-and result backend.
+and result backend, with a visibility timeout past the step timeout
+(`QueueConfig.visibility_timeout_s`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def make_celery(cfg: QueueConfig) -> Celery:
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
     }
+    if cfg.resolved_broker().startswith(("redis", "rediss")):
+        conf["broker_transport_options"] = {"visibility_timeout": cfg.visibility_timeout_s()}
     if cfg.resolved_broker().startswith("filesystem"):
         folder = cfg.data_dir.resolve() / "celery-broker"
         (folder / "processed").mkdir(parents=True, exist_ok=True)

@@ -259,6 +259,16 @@ class QueueConfig(BaseModel):
     result_backend: str = ""
     data_dir: Path = Path("rlgate-data")
     queue_name: str = "train"
+    # The gateway resends a step running longer than this (Settings.step_timeout_s); the
+    # broker must not redeliver it sooner on its own (`visibility_timeout_s`).
+    step_timeout_s: float = 1800.0
+
+    def visibility_timeout_s(self) -> float:
+        """How long Redis waits for an unacknowledged task before redelivering it: past the
+        step timeout with a margin (twice it, at least 5 minutes more), so a step still
+        running is resent only by the gateway's own timeout, never also by the broker
+        (Celery's default is 1 h whatever the step timeout)."""
+        return max(2 * self.step_timeout_s, self.step_timeout_s + 300.0)
 
     def resolved_broker(self) -> str:
         return self.broker_url or "filesystem://"
