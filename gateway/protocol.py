@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.request_caps import CAPS, check_parts, check_stop
 from inference import registry
 
 
@@ -42,6 +43,8 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    _parts = field_validator("content")(check_parts)
 
     def normalized(self) -> dict[str, Any]:
         """The message as stored and hashed: role, text, and tool fields when present."""
@@ -97,15 +100,17 @@ class StreamOptions(OpenAIModel):
 
 
 class ChatCompletionRequest(OpenAIModel):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=CAPS.messages)
     model: str
     frequency_penalty: float | None = None
+    # Accepted for OpenAI's clients and not applied by the samplers; capped all the same.
+    logit_bias: dict[str, float] | None = Field(None, max_length=CAPS.logit_bias)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=CAPS.token_count)
+    max_tokens: int | None = Field(None, ge=1, le=CAPS.token_count)
     metadata: dict[str, str] | None = None
-    n: int | None = Field(1, ge=1, le=16)
+    n: int | None = Field(1, ge=1, le=CAPS.n)
     presence_penalty: float | None = None
     response_format: dict[str, Any] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
@@ -114,12 +119,12 @@ class ChatCompletionRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=CAPS.tools)
     top_p: float | None = Field(None, gt=0, le=1)
     parallel_tool_calls: bool | None = None
     user: str | None = None
     # --- rlgate extension (vLLM's too): sample from the k likeliest tokens only
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=CAPS.token_count)  # -1 or 0: off
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -147,6 +152,7 @@ class ChatCompletionRequest(OpenAIModel):
     _finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")(
         finite_or_none
     )
+    _stop = field_validator("stop")(check_stop)
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

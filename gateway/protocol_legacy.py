@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from gateway.protocol import OpenAIModel, StreamOptions, Usage, finite_or_none
+from gateway.request_caps import CAPS, check_stop
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -22,13 +23,13 @@ class CompletionRequest(OpenAIModel):
     # A string, a list of one string, token ids, or a list of one list of token ids;
     # checked by `prompt_input`, so that every shape error names `prompt` plainly.
     prompt: Any = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=CAPS.n)
     echo: bool | None = False
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=CAPS.logit_bias)
     logprobs: int | None = Field(None, ge=0, le=5)
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
-    n: int | None = Field(1, ge=1)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1, le=CAPS.token_count)
+    n: int | None = Field(1, ge=1, le=CAPS.n)
     presence_penalty: float | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
@@ -46,6 +47,7 @@ class CompletionRequest(OpenAIModel):
     _finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")(
         finite_or_none
     )
+    _stop = field_validator("stop")(check_stop)
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt of this request: its text, or its token ids.

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from gateway.protocol import OpenAIModel, finite_or_none
+from gateway.request_caps import CAPS, check_parts, check_stop
 
 # --- request -----------------------------------------------------------------
 
@@ -22,6 +23,8 @@ class MessageParam(OpenAIModel):
     # "system" mid-conversation: Claude Code sends one (its environment) after the user turn.
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+
+    _parts = field_validator("content")(check_parts)
 
 
 class ToolParam(OpenAIModel):
@@ -41,33 +44,36 @@ class ToolChoice(OpenAIModel):
 
 class ThinkingConfig(OpenAIModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: int | None = Field(None, ge=1, le=CAPS.token_count)
 
 
 class CountTokensRequest(OpenAIModel):
     """`POST /v1/messages/count_tokens`: what a prompt costs before it is sent."""
 
     model: str
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1, max_length=CAPS.messages)
     system: str | list[dict[str, Any]] | None = None
-    tools: list[ToolParam] | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=CAPS.tools)
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
+    _parts = field_validator("system")(check_parts)
+
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=CAPS.token_count)
     metadata: dict[str, str | None] | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     temperature: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=CAPS.token_count)
     top_p: float | None = Field(None, gt=0, le=1)
     # --- rlgate extensions
     # Seeds the sampler, as `seed` does on chat completions (Anthropic's API has none).
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
 
     _finite = field_validator("temperature", "top_p")(finite_or_none)
+    _stop = field_validator("stop_sequences")(check_stop)
 
 
 # --- response ----------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from gateway.protocol import OpenAIModel, finite_or_none
+from gateway.request_caps import CAPS, check_parts
 
 # --- request -----------------------------------------------------------------
 
@@ -24,7 +25,7 @@ class ResponsesRequest(OpenAIModel):
     include: list[str] | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=CAPS.token_count)
     metadata: dict[str, str] | None = None
     model: str
     parallel_tool_calls: bool | None = None
@@ -35,7 +36,7 @@ class ResponsesRequest(OpenAIModel):
     temperature: float | None = Field(None, ge=0, le=2)
     text: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=CAPS.tools)
     top_p: float | None = Field(None, gt=0, le=1)
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
@@ -44,6 +45,13 @@ class ResponsesRequest(OpenAIModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
 
     _finite = field_validator("temperature", "top_p")(finite_or_none)
+
+    @field_validator("input")
+    @classmethod
+    def _few_items(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(v, list) and len(v) > CAPS.messages:
+            raise ValueError(f"at most {CAPS.messages} input items are allowed")
+        return v
 
 
 class MessageItem(OpenAIModel):
@@ -113,6 +121,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 def _text_parts(value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     """Only text parts can be rendered into a prompt; images and files are refused."""
+    check_parts(value)
     if isinstance(value, list):
         for part in value:
             if part.get("type") not in TEXT_PARTS:

@@ -39,6 +39,10 @@ class RequestCaps:
     logit_bias: int = 300
     # Choices per chat completion: each one is a whole sampling and a stored row.
     n: int = 16
+    # Any token count (`max_tokens` and its kin, `top_k`, a thinking budget): the largest
+    # a backend takes (int32). The prompt plus `max_tokens` must also fit the context; this
+    # only keeps a 100,000-digit integer from reaching arithmetic and error messages.
+    token_count: int = 2**31 - 1
 
 
 CAPS = RequestCaps()
