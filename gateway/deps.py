@@ -7,7 +7,7 @@ from typing import Annotated, Protocol
 
 from fastapi import Depends, Path, Request
 
-from gateway.dashboard.auth import LoginRequired, Session, current_session, require_session
+from gateway.dashboard.auth import LoginRequired, Session, active_session, require_session
 from gateway.errors import AuthenticationFailed, NotFound
 from gateway.identifiers import id_from_header
 from gateway.identity import authenticated_run, identity_of
@@ -84,7 +84,7 @@ async def agent_base_url(request: Request) -> str:
 
 async def dashboard_page(request: Request) -> Session:
     """A dashboard page's session; without one the browser goes to the login form."""
-    session = current_session(request)
+    session = await active_session(request)
     if session is None:
         raise LoginRequired
     return session

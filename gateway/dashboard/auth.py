@@ -1,12 +1,16 @@
 """Dashboard sessions: a signed cookie after an admin-key login, and per-session CSRF tokens.
 
-The cookie holds `{"exp", "csrf"}` signed with HMAC-SHA256 under a key
-derived from the admin credential, so every gateway process sharing that
+The cookie holds `{"sid", "exp", "csrf"}` signed with HMAC-SHA256 under a
+key derived from the admin credential, so every gateway process sharing that
 credential accepts it, and rotating the credential logs every session out.
-It is HttpOnly (scripts cannot read it) and SameSite=Strict (other sites
-cannot make the browser send it). Every POST must also carry the session's
-CSRF token as the `csrf_token` form field or the `X-CSRF-Token` header; the
-login form, which has no session yet, uses a double-submit cookie instead.
+Logging out records the session id in the store (`gateway.store.sessions`),
+so the cookie, replayed afterwards, is refused by every process. It is
+HttpOnly (scripts cannot read it), SameSite=Strict (other sites cannot make
+the browser send it) and Secure when the request came over https or the
+public URL is https (behind a TLS proxy the gateway itself sees http).
+Every POST must also carry the session's CSRF token as the `csrf_token` form
+field or the `X-CSRF-Token` header; the login form, which has no session yet,
+uses a double-submit cookie instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from fastapi import Request
 
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.keys import dev_key_refused
+from gateway.store.sessions import is_revoked, revoke
 
 SESSION_COOKIE = "rlgate_session"
 LOGIN_CSRF_COOKIE = "rlgate_login_csrf"
@@ -37,6 +42,7 @@ class LoginRequired(Exception):
 
 @dataclass(frozen=True)
 class Session:
+    sid: str
     csrf: str
     expires: int
 
@@ -50,8 +56,14 @@ class SessionSigner:
         return hmac.new(self._key, payload, hashlib.sha256).hexdigest()
 
     def issue(self) -> tuple[str, Session]:
-        session = Session(csrf=secrets.token_urlsafe(24), expires=int(time.time()) + self.ttl_s)
-        payload = json.dumps({"exp": session.expires, "csrf": session.csrf}).encode()
+        session = Session(
+            sid=secrets.token_hex(16),
+            csrf=secrets.token_urlsafe(24),
+            expires=int(time.time()) + self.ttl_s,
+        )
+        payload = json.dumps(
+            {"sid": session.sid, "exp": session.expires, "csrf": session.csrf}
+        ).encode()
         body = base64.urlsafe_b64encode(payload).decode().rstrip("=")
         return f"{body}.{self._sign(payload)}", session
 
@@ -67,22 +79,48 @@ class SessionSigner:
             return None
         try:
             data = json.loads(payload)
-            session = Session(csrf=str(data["csrf"]), expires=int(data["exp"]))
+            session = Session(
+                sid=str(data["sid"]), csrf=str(data["csrf"]), expires=int(data["exp"])
+            )
         except (ValueError, KeyError, TypeError):
             return None
         return session if session.expires > time.time() else None
 
 
+def cookie_secure(request: Request) -> bool:
+    """Whether the dashboard's cookies get the `Secure` flag."""
+    public = request.app.state.settings.public_url.strip().lower()
+    return request.url.scheme == "https" or public.startswith("https://")
+
+
 def current_session(request: Request) -> Session | None:
+    """The cookie's session if its signature, expiry and peer are good (not revocation: that
+    needs the store, `active_session`)."""
     # Under the development admin key anyone can sign a cookie: loopback peers only then.
     if dev_key_refused(request.app.state.admin_key, request.client and request.client.host):
         return None
     return request.app.state.dashboard_signer.verify(request.cookies.get(SESSION_COOKIE))
 
 
-def require_session(request: Request) -> Session:
-    """The caller's session, or 401 (what a POST or a JSON feed gets without one)."""
+async def active_session(request: Request) -> Session | None:
+    """`current_session`, unless it was logged out."""
     session = current_session(request)
+    if session is None:
+        return None
+    async with request.app.state.sessions() as s:
+        return None if await is_revoked(s, session.sid) else session
+
+
+async def end_session(request: Request, session: Session) -> None:
+    """Log `session` out in every process sharing the store."""
+    async with request.app.state.sessions() as s:
+        await revoke(s, session.sid, session.expires)
+        await s.commit()
+
+
+async def require_session(request: Request) -> Session:
+    """The caller's session, or 401 (what a POST or a JSON feed gets without one)."""
+    session = await active_session(request)
     if session is None:
         raise AuthenticationFailed("log in to the dashboard first", code="no_session")
     return session
@@ -108,7 +146,7 @@ def check_csrf(request: Request, form: dict[str, str], expected: str) -> None:
 
 async def session_post(request: Request) -> tuple[Session, dict[str, str]]:
     """A logged-in POST with its form, its CSRF token checked (401 without session, 403 CSRF)."""
-    session = require_session(request)
+    session = await require_session(request)
     form = await read_form(request)
     check_csrf(request, form, session.csrf)
     return session, form

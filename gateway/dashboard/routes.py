@@ -25,7 +25,9 @@ from gateway.dashboard.auth import (
     SESSION_COOKIE,
     LoginRequired,
     check_csrf,
+    cookie_secure,
     current_session,
+    end_session,
     read_form,
     session_post,
 )
@@ -68,7 +70,7 @@ def _cookie(response: Response, name: str, value: str, max_age: int, request: Re
         path=PREFIX,
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=cookie_secure(request),
     )
 
 
@@ -110,7 +112,8 @@ def make_router(templates: Jinja2Templates) -> APIRouter:
 
     @router.post("/logout")
     async def logout(request: Request) -> Response:
-        await session_post(request)
+        session, _ = await session_post(request)
+        await end_session(request, session)
         resp = _redirect(f"{PREFIX}/login")
         resp.delete_cookie(SESSION_COOKIE, path=PREFIX)
         return resp

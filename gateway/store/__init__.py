@@ -8,6 +8,7 @@ Services, the trainer and the benches write no SQL of their own.
 """
 
 from gateway.store import responses as _responses  # noqa: F401 - registers its table
+from gateway.store import sessions as _sessions  # noqa: F401 - registers its table
 from gateway.store.db import make_async_engine, make_sync_engine, normalize_url
 from gateway.store.models import (
     ApiKey,

@@ -28,6 +28,7 @@ APP_TABLES = {
     "train_steps",
     "responses",
     "run_replicas",
+    "revoked_sessions",
 }
 
 
