@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import AdminDep
+from gateway.scratch import ScratchStreamingResponse, remover
 from gateway.services.export import (
     JSONL_MEDIA_TYPE,
     PARQUET_MEDIA_TYPE,
@@ -47,10 +48,12 @@ async def export_run(
             media_type=JSONL_MEDIA_TYPE,
             headers={"Content-Disposition": f'attachment; filename="{run_id}.jsonl"'},
         )
-    # Parquet's footer comes last, so the file is built whole before the answer starts.
+    # Parquet's footer comes last, so the file is built whole before the answer starts;
+    # it is removed when the answer ends, even if the client left before its first byte.
     path = await service.parquet_file(run_id, filt)
-    return StreamingResponse(
-        _read_then_delete(path),
+    return ScratchStreamingResponse(
+        _read(path),
+        cleanup=remover(path),
         media_type=PARQUET_MEDIA_TYPE,
         headers={
             "Content-Disposition": f'attachment; filename="{run_id}.parquet"',
@@ -59,11 +62,7 @@ async def export_run(
     )
 
 
-async def _read_then_delete(path: str) -> AsyncIterator[bytes]:
-    # Deleted in `finally` so that a client that hangs up early does not leave the file behind.
-    try:
-        with open(path, "rb") as f:
-            while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
-                yield chunk
-    finally:
-        os.unlink(path)
+async def _read(path: str) -> AsyncIterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
+            yield chunk

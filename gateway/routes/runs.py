@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 from gateway.deps import AdminDep, AgentBaseUrlDep
 from gateway.protocol import RunCreate, RunCreated, RunPublic, RunStatusChange, TrainStepPublic
 from gateway.protocol_admin import PolicyVersionPublic, RollbackResult, RunDeleted, RunUpdate
-from gateway.services.admin_runs import tar_stream, tar_stream_then_remove
+from gateway.scratch import ScratchStreamingResponse, remover
+from gateway.services.admin_runs import tar_stream
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 
@@ -83,13 +84,15 @@ async def download_checkpoint(
     """
     admin = request.app.state.run_admin
     name = f"{run_id}-v{version}"
-    if merged:
-        root, scratch = await admin.merged_checkpoint(run_id, version)
-        body = tar_stream_then_remove(root, name) if scratch else tar_stream(root, name)
-    else:
-        body = tar_stream(await admin.checkpoint_dir(run_id, version), name)
-    return StreamingResponse(
-        body,  # a sync iterator: Starlette reads it in a thread
+    root, scratch = (
+        await admin.merged_checkpoint(run_id, version)
+        if merged
+        else (await admin.checkpoint_dir(run_id, version), False)
+    )
+    # a merged scratch copy is removed when the answer ends, however the client leaves
+    return ScratchStreamingResponse(
+        tar_stream(root, name),  # a sync iterator: Starlette reads it in a thread
+        cleanup=remover(root.parent) if scratch else lambda: None,
         media_type=TAR_MEDIA_TYPE,
         headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
     )

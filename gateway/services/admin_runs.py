@@ -15,7 +15,8 @@ copied checkpoint carries a `ROLLBACK.json` marker naming v.
 A LoRA run's versions are adapters; its version 0 is the base model itself,
 which a LoRA run cannot roll back to (there is no adapter to serve or train
 on). `merged_checkpoint` gives any version as a full HF directory: a LoRA
-adapter is merged into its base in a scratch directory the caller removes.
+adapter is merged into its base in a scratch directory the caller removes
+(the download route, once its answer ends however the client leaves).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gateway.protocol_admin import (
     RunUpdate,
 )
 from gateway.services.backends import BackendPool
+from gateway.store.checkpoints import attempt_dir, fsync_dir, fsync_tree, run_dir
 from gateway.store.models import PolicyVersion, Run, as_utc
 from gateway.store.runs import (
     advance_version,
@@ -105,7 +107,7 @@ class RunAdmin:
                 )
             await delete_run(s, run_id)
         await self.pool.unload(run_id)
-        await asyncio.to_thread(shutil.rmtree, self.checkpoints_dir / run_id, True)
+        await asyncio.to_thread(shutil.rmtree, run_dir(self.checkpoints_dir, run_id), True)
         logger.info("deleted run %s", run_id)
 
     async def versions(self, run_id: str) -> list[PolicyVersionPublic]:
@@ -166,10 +168,15 @@ class RunAdmin:
         async with self.sessions() as s:
             base = Path((await _get(s, run_id)).model_path)
         scratch = Path(tempfile.mkdtemp(prefix=f"merged-{run_id}-v{version}-"))
+        merge = asyncio.ensure_future(
+            asyncio.to_thread(merge_adapter, base, source, scratch / "model")
+        )
         try:
-            await asyncio.to_thread(merge_adapter, base, source, scratch / "model")
+            await asyncio.shield(merge)
         except BaseException:
-            await asyncio.to_thread(shutil.rmtree, scratch, True)
+            # failed, or this request was cancelled: the merge thread may still be writing,
+            # so the scratch goes once it has stopped
+            merge.add_done_callback(lambda _: shutil.rmtree(scratch, ignore_errors=True))
             raise
         logger.info("merged run %s v%d into its base for export", run_id, version)
         return scratch / "model", True
@@ -198,7 +205,7 @@ class RunAdmin:
                 f"version {version} is the current one; roll back to an earlier version",
                 param="version",
             )
-        target = self.checkpoints_dir / run_id / f"v{new}"
+        target = attempt_dir(self.checkpoints_dir, run_id, new)
         await asyncio.to_thread(_copy_checkpoint, source, target, version)
         async with self.sessions.begin() as s:
             if not await advance_version(s, run_id, new - 1):
@@ -230,21 +237,14 @@ def _rollback_source(path: Path) -> int | None:
 
 
 def _copy_checkpoint(source: Path, target: Path, version: int) -> None:
-    """Weights and tokenizer of `source` (no optimizer state) into `target`, then the marker."""
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    """Weights and tokenizer of `source` (no optimizer state) into `target`, then the marker;
+    fsynced before the version bump records `target` (a fresh attempt directory)."""
+    partial = target.with_name(target.name + ".tmp")
     shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.pt", ROLLBACK_MARKER))
     (partial / ROLLBACK_MARKER).write_text(json.dumps({"rolled_back_from": version}))
-    shutil.rmtree(target, ignore_errors=True)
+    fsync_tree(partial)
     partial.rename(target)
-
-
-def tar_stream_then_remove(root: Path, arcname: str) -> Iterator[bytes]:
-    """`tar_stream` of a scratch directory, removed (with its parent) once sent or abandoned."""
-    try:
-        yield from tar_stream(root, arcname)
-    finally:
-        shutil.rmtree(root.parent, ignore_errors=True)
+    fsync_dir(target.parent)
 
 
 def tar_stream(root: Path, arcname: str, chunk: int = 1 << 20) -> Iterator[bytes]:

@@ -41,9 +41,9 @@ def settings_json(settings: Any) -> str:
     return json.dumps({f: str(getattr(settings, f)) for f in fields})
 
 
-def queue_step(server: Any, name: str = "ckpt") -> dict:
+def queue_step(server: Any, name: str = "ckpt", **config: Any) -> dict:
     """A run on `server` with one rewarded group: step 0 is queued (no worker takes it)."""
-    run = server.create_run(name=name, config=CONFIG)
+    run = server.create_run(name=name, config=CONFIG | config)
     root = run["base_url"].removesuffix("/v1")
     for e, reward in enumerate((0.0, 1.0)):
         client = openai.OpenAI(
@@ -118,6 +118,14 @@ def start_attempt(
     argv += [run_id, str(step), str(markers)] + (["--freeze-on-rename"] if freeze_on_rename else [])
     log = (markers / "child.log").open("w")
     return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def commit_step(server: Any, run_id: str, markers: Path) -> dict:
+    """A whole attempt at step 0 in a child process, run to its end; its answer."""
+    proc = start_attempt(server.settings, run_id, 0, markers)
+    (markers / "go").touch()
+    assert proc.wait(300) == 0, (markers / "child.log").read_text()
+    return json.loads((markers / "result.json").read_text())
 
 
 def admin_client(server: Any) -> httpx.Client:

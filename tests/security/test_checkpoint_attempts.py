@@ -21,6 +21,7 @@ import torch
 from rlgate.stack import stop
 from tests.security._checkpoints import (
     admin_client,
+    commit_step,
     current_version,
     fingerprint,
     queue_step,
@@ -40,21 +41,13 @@ def _held(server, run_id: str, markers: Path, freeze: bool = False):
     return proc
 
 
-def _commit(server, run_id: str, markers: Path) -> dict:
-    """A whole attempt at step 0, run to its end; its answer."""
-    proc = start_attempt(server.settings, run_id, 0, markers)
-    (markers / "go").touch()
-    assert proc.wait(300) == 0, (markers / "child.log").read_text()
-    return json.loads((markers / "result.json").read_text())
-
-
 def test_a_late_attempt_never_replaces_the_committed_version(gateway_launcher, tmp_path) -> None:
     server = gateway_launcher(tmp_path / "data")
     try:
         run = queue_step(server, "two-attempts")
         rid, db = run["run_id"], server.db_path
         late = _held(server, rid, tmp_path / "late")
-        won = _commit(server, rid, tmp_path / "winner")
+        won = commit_step(server, rid, tmp_path / "winner")
         assert won["version"] == 1 and "skipped" not in won, won
         committed = version_row(db, rid, 1)
         before = fingerprint(Path(committed[0]))
@@ -91,7 +84,7 @@ def test_a_worker_killed_mid_write_leaves_the_last_version_serving(
         run = queue_step(server, "killed")
         rid, db = run["run_id"], server.db_path
         late = _held(server, rid, tmp_path / "late", freeze=True)
-        won = _commit(server, rid, tmp_path / "winner")
+        won = commit_step(server, rid, tmp_path / "winner")
         assert won["version"] == 1 and "skipped" not in won, won
         committed = version_row(db, rid, 1)
         before = fingerprint(Path(committed[0]))
