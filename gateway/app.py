@@ -19,6 +19,7 @@ from gateway.identity import AgentKeyCheck, IdentityMiddleware
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware, multiprocess_dir
 from gateway.metrics import router as prometheus_router
 from gateway.middleware import BodyLimit
+from gateway.openapi_errors import install_error_responses
 from gateway.routes import (
     chat,
     completions,
@@ -88,6 +89,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
             sessions=sessions,
             replica_config=settings.replica_config(),
             threads=settings.threads().backend,
+            credentials=settings.server_credentials(),
         )
         pool.barrier = make_swap_barrier(url, settings.replica_config().load_retry_s)
         celery = make_celery(settings.queue())
@@ -212,6 +214,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.include_router(admin.router)
     app.include_router(prometheus_router)
     install_dashboard(app)
+    install_error_responses(app)
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
