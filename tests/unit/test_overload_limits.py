@@ -213,3 +213,24 @@ async def test_anthropic_paths_are_turned_away_in_anthropic_shape() -> None:
     body = resp.json()
     assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
     assert guard.process.rejected["deadline"] == 1
+
+
+async def test_a_freed_slot_goes_first_to_a_run_under_its_share() -> None:
+    lim = Limiter("process", limit=4, max_queue=0, share=0.5)
+    for _ in range(4):
+        await lim.acquire(later(), "flood")
+    flood_waiters = [asyncio.create_task(lim.acquire(later(), "flood")) for _ in range(3)]
+    await asyncio.sleep(0)
+    quiet = asyncio.create_task(lim.acquire(later(), "quiet"))  # last in line
+    await asyncio.sleep(0)
+    lim.release("flood")
+    await asyncio.sleep(0)
+    assert quiet.done() and not any(w.done() for w in flood_waiters)
+    assert lim.held == {"flood": 3, "quiet": 1} and lim.inflight == 4
+    lim.release("flood")  # nobody else under its share waits: the oldest flood waiter
+    await asyncio.sleep(0)
+    assert flood_waiters[0].done() and lim.queued == 2
+    for w in flood_waiters[1:]:
+        w.cancel()
+    await asyncio.gather(*flood_waiters[1:], return_exceptions=True)
+    assert lim.queued == 0
