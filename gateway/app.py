@@ -89,6 +89,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
             sessions=sessions,
             replica_config=settings.replica_config(),
             threads=settings.threads().backend,
+            credentials=settings.server_credentials(),
         )
         pool.barrier = make_swap_barrier(url, settings.replica_config().load_retry_s)
         celery = make_celery(settings.queue())

@@ -26,6 +26,7 @@ import yarl
 from inference.backend import BackendError
 from inference.http_common import (
     HttpBackendConfig,
+    ServerCredentials,
     check_response,
     check_status,
     end_stream,
@@ -151,9 +152,12 @@ class HttpBackend(abc.ABC):
         self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load/unload per name at a time
 
     @classmethod
-    def for_url(cls, url: str, version: int = 0) -> Self:
+    def for_url(
+        cls, url: str, version: int = 0, credentials: ServerCredentials | None = None
+    ) -> Self:
         """The backend of the server at `url` with default settings, serving `version`."""
-        return cls(HttpBackendConfig(base_url=url), version=version)
+        config = HttpBackendConfig(base_url=url, credentials=credentials or ServerCredentials())
+        return cls(config, version=version)
 
     @property
     def version(self) -> int:

@@ -50,10 +50,31 @@ UNANSWERED = (
 
 
 @dataclass(frozen=True)
+class ServerCredentials:
+    """What the gateway presents to an inference server and to the trainer's weight server.
+
+    Both sit on the deployment's private network; these keep a stranger who reaches
+    it anyway from sampling or taking weights (docs/security.md).
+    """
+
+    api_key: str = ""  # the servers' --api-key (RLGATE_INFERENCE_API_KEY); empty: none
+    weight_sync_secret: str = ""  # the trainer's weight server's (RLGATE_WEIGHT_SYNC_SECRET)
+
+    def __repr__(self) -> str:  # never the secrets themselves in a log line
+        given = [name for name in ("api_key", "weight_sync_secret") if getattr(self, name)]
+        return f"ServerCredentials(set={given})"
+
+    def headers(self) -> dict[str, str]:
+        """What every request to the inference server carries."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass(frozen=True)
 class HttpBackendConfig:
     """How a backend talks to one inference server over HTTP."""
 
     base_url: str  # e.g. http://127.0.0.1:8001 (no /v1)
+    credentials: ServerCredentials = ServerCredentials()
     model: str | None = None  # served model name; None: the first one /v1/models lists
     connect_timeout_s: float = 5.0  # a server that does not accept within this is down
     read_timeout_s: float = 600.0  # longest silence inside one generation (CPU decoding is slow)
@@ -116,6 +137,7 @@ def make_client(
     `transport`); the caller closes it."""
     return httpx.AsyncClient(
         base_url=cfg.base_url.rstrip("/"),
+        headers=cfg.credentials.headers(),
         timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
         transport=transport or ShardedTransport(cfg.max_connections, cfg.pool_shards),
     )
@@ -138,6 +160,7 @@ def make_session(cfg: HttpBackendConfig) -> aiohttp.ClientSession:
             sock_read=cfg.read_timeout_s,
         ),
         cookie_jar=aiohttp.DummyCookieJar(),  # inference servers set none; skip the parsing
+        headers=cfg.credentials.headers(),
     )
 
 

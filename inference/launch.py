@@ -108,6 +108,8 @@ class ServerConfig:
     enable_lora: bool = False
     max_loras: int = 4  # adapters in one batch (vLLM --max-loras, SGLang --max-loras-per-batch)
     max_lora_rank: int = 16  # the largest adapter rank the server accepts (one of LORA_RANKS)
+    # the key every call must carry (RLGATE_INFERENCE_API_KEY; the gateway sends it); "": none
+    api_key: str = field(default="", repr=False)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 

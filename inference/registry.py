@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from inference.backend import Backend
+    from inference.http_common import ServerCredentials
     from inference.launch import ServerConfig
 
 Ref = str | Callable[..., Any]  # "package.module:attr.attr", or the callable itself
@@ -55,7 +56,8 @@ class BackendKind:
 
     name: str  # what `--backend` and `RunCreate.backend` accept
     label: str = ""  # in messages, e.g. "vLLM"; default: `name`
-    # remote: (url: str, version: int) -> Backend for the server at `url`
+    # remote: (url: str, version: int, credentials: ServerCredentials | None) -> Backend for
+    # the server at `url`
     connect: Ref | None = None
     # in-process: (weights dir, *, version, max_batch_size, decode, threads) -> Backend with
     # .max_context (threads: torch threads of the thread that runs the model; 0: torch's)
@@ -81,11 +83,14 @@ class BackendKind:
         """Served by HTTP servers that are registered with a run as its replicas."""
         return self.connect is not None
 
-    def connect_to(self, url: str, version: int = 0) -> Backend:
-        """The backend of the server at `url` (its weights assumed to be `version`)."""
+    def connect_to(
+        self, url: str, version: int = 0, credentials: ServerCredentials | None = None
+    ) -> Backend:
+        """The backend of the server at `url` (its weights assumed to be `version`), which
+        presents `credentials` to it and to the trainer's weight server."""
         if self.connect is None:
             raise ValueError(f"backend {self.name!r} runs in-process, not behind a URL")
-        return resolve(self.connect)(url, version)
+        return resolve(self.connect)(url, version, credentials)
 
     def load_local(self, source: Path, version: int, **kwargs: Any) -> Backend:
         """An in-process backend serving the weights in `source` as `version`."""

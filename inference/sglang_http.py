@@ -155,7 +155,8 @@ class SGLangBackend(HttpBackend):
     async def _receive(self, source: CollectiveSource, version: int) -> None:
         info = json_body(await self._get("/get_server_info"), "SGLang /get_server_info")
         ranks = int(info.get("tp_size") or 1) if isinstance(info, dict) else 1
-        rdv, answer = await open_transfer(source, ranks, protocol="torch")
+        secret = self.config.credentials.weight_sync_secret
+        rdv, answer = await open_transfer(source, ranks, protocol="torch", secret=secret)
         names, dtypes, shapes = (list(c) for c in zip(*answer["tensors"], strict=True))
         group = {"group_name": rdv.group_name}
         await self._checked(
@@ -221,6 +222,8 @@ def server_command(cfg: ServerConfig) -> list[str]:
     """`sglang.launch_server` with the flags this backend relies on."""
     cmd = base_command(cfg, "sglang.launch_server", "--model-path", "--context-length")
     cmd.append("--skip-tokenizer-init")  # token ids in, token ids out
+    if cfg.api_key:  # guards every route but /health and /metrics
+        cmd += ["--api-key", cfg.api_key]
     if cfg.enable_lora:  # adapters come at runtime, so rank and modules cannot be inferred
         cmd += ["--enable-lora", "--max-loras-per-batch", str(cfg.max_loras)]
         cmd += ["--max-lora-rank", str(cfg.max_lora_rank), "--lora-target-modules", "all"]

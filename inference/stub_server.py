@@ -26,7 +26,10 @@ tokens. With ``--max-running N`` a request beyond N in flight is answered
 429 (vLLM's overload answer; 0 refuses every request). A weight reload
 bumps the served version (``GET /stub/state`` shows it, with counters), and
 the tokens change with it, so swap tests can see which weights answered.
-While paused, new requests wait for resume.
+While paused, new requests wait for resume. With ``--api-key K`` every route
+but ``/health`` and ``/stub/state`` answers 401 unless the request carries
+``Authorization: Bearer K`` (stricter than vLLM, whose key guards only
+``/v1``: a test sees that the control calls carry the key too).
 
 Run: ``python -m inference.stub_server --flavor vllm --port 8001 --latency-ms 50``.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import subprocess
@@ -53,6 +57,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 logger = logging.getLogger(__name__)
 
 FLAVORS = ("vllm", "sglang")  # the server APIs this stand-in speaks
+OPEN_PATHS = ("/health", "/stub/state")  # answered without the API key
 
 
 @dataclass
@@ -71,6 +76,7 @@ class StubConfig:
     incremental_streaming_output: bool = False  # sglang: stream only new tokens per event
     max_running: int = -1  # requests in flight beyond this get 429 (-1: no limit)
     lora: bool = True  # vllm: serve the runtime LoRA routes (as with VLLM_ALLOW_RUNTIME_LORA_...)
+    api_key: str = ""  # required as a Bearer token on every route but OPEN_PATHS; "": none
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -94,6 +100,7 @@ class StubState:
         self.reloads = 0
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> directory
         self.adapter_loads = 0
+        self.refused = 0  # requests without the API key (401)
 
     def overloaded(self) -> JSONResponse | None:
         """The 429 a full server answers, when `max_running` requests are already in flight."""
@@ -179,6 +186,7 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
             "reloads": state.reloads,
             "adapters": state.adapters,
             "adapter_loads": state.adapter_loads,
+            "refused": state.refused,
         }
 
 
@@ -471,6 +479,17 @@ def create_app(cfg: StubConfig) -> FastAPI:
     add_common_routes(app, state)
     routes = {"vllm": add_vllm_routes, "sglang": add_sglang_routes}
     routes[cfg.flavor](app, state)
+    if cfg.api_key:
+        expected = f"Bearer {cfg.api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path in OPEN_PATHS or hmac.compare_digest(given, expected):
+                return await call_next(request)
+            state.refused += 1
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
+
     return app
 
 
@@ -534,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--max-running", type=int, default=-1)
     parser.add_argument("--no-lora", dest="lora", action="store_false", help="vllm: no LoRA API")
+    parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY'")
     args = parser.parse_args(argv)
     import uvicorn
 

@@ -196,7 +196,8 @@ class VLLMBackend(HttpBackend):
             self._workers = len(json_body(resp, "vLLM /collective_rpc").get("results") or [])
             if not self._workers:
                 raise BackendError(f"vLLM at {self.url}: no worker answered /collective_rpc")
-        rdv, _ = await open_transfer(source, self._workers)
+        secret = self.config.credentials.weight_sync_secret
+        rdv, _ = await open_transfer(source, self._workers, secret=secret)
         kwargs = {"rendezvous": json.dumps(rdv.to_json())}
         resp = await self._control(
             "/collective_rpc", json={"method": "rlgate_receive_weights", "kwargs": kwargs}
@@ -260,5 +261,7 @@ def server_env(cfg: ServerConfig, env: dict[str, str]) -> None:
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc (reload_weights), /reset_prefix_cache
     env["PYTHONPATH"] = str(WIRE_DIR)  # the worker extension (never rlgate's environment)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+    if cfg.api_key:  # --api-key's value, kept out of the command line (ps shows that)
+        env["VLLM_API_KEY"] = cfg.api_key
     if cfg.enable_lora:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

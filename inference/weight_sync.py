@@ -73,18 +73,26 @@ def weights_source(checkpoint_dir: Path, version: int) -> Path | CollectiveSourc
 
 
 async def open_transfer(
-    source: CollectiveSource, receivers: int, protocol: str = "rlgate", timeout_s: float = 30.0
+    source: CollectiveSource,
+    receivers: int,
+    protocol: str = "rlgate",
+    timeout_s: float = 30.0,
+    secret: str = "",
 ) -> tuple[Rendezvous, dict]:
     """Have the trainer open a transfer of `source.version` to `receivers` ranks: its
     `Rendezvous` and the whole answer (protocol "torch", for SGLang, lists the tensors).
 
-    Raises `BackendError` if the trainer is unreachable or no longer holds that version
-    (it keeps only the newest: 409).
+    `secret` is the weight server's shared secret (`weight_sync_secret`), sent as
+    `Authorization: Bearer`. Raises `BackendError` if the trainer is unreachable, refuses
+    the secret (401), or no longer holds that version (it keeps only the newest: 409).
     """
     body = {"version": source.version, "receivers": receivers, "protocol": protocol}
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            resp = await client.post(source.url.rstrip("/") + "/transfers", json=body)
+            resp = await client.post(
+                source.url.rstrip("/") + "/transfers", json=body, headers=headers
+            )
     except httpx.HTTPError as exc:
         raise BackendError(f"trainer weight server {source.url}: {exc}") from exc
     if resp.status_code != 200:

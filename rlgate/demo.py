@@ -299,6 +299,7 @@ def _inference_server(cfg: DemoConfig, settings: Settings) -> Iterator[str]:
         python=server_python(cfg.backend, None, settings),
         port=cfg.server_port,
         max_model_len=min(cfg.server_max_model_len, int(context or cfg.server_max_model_len)),
+        api_key=settings.inference_api_key,
     )
     label = registry.get(cfg.backend).title
     print(f"starting {label} at {server.url} (about 30-100 s) ...", flush=True)

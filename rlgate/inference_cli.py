@@ -80,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        api_key=settings.inference_api_key,
     )
     advertised = args.advertise_url or cfg.url.replace("0.0.0.0", "127.0.0.1")
     proc = start_server(cfg, Path(args.log) if args.log else None)

@@ -19,6 +19,7 @@ from trainer.resident_node import NodeSpec
 
 if TYPE_CHECKING:  # the web app's module; a worker building Settings never imports it
     from gateway.services.overload import OverloadConfig
+    from inference.http_common import ServerCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +297,12 @@ class Settings(BaseSettings):
             )
         logger.warning("no RLGATE_ADMIN_KEY set: using the development key %r", DEV_ADMIN_KEY)
         return DEV_ADMIN_KEY
+
+    def server_credentials(self) -> ServerCredentials:
+        """What the gateway presents to inference servers and the trainer's weight server."""
+        from inference.http_common import ServerCredentials  # aiohttp: only when asked
+
+        return ServerCredentials(self.inference_api_key, self.weight_sync_secret)
 
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from inference import registry
 from inference.backend import AdapterBackend, Backend
 from inference.chat_template import ChatTemplate
+from inference.http_common import ServerCredentials
 from inference.lora_view import AdapterView
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.weight_sync import weights_source
@@ -66,8 +67,10 @@ class BackendPool:
         sessions: async_sessionmaker[AsyncSession] | None = None,
         replica_config: ReplicaConfig | None = None,
         threads: int = 0,
+        credentials: ServerCredentials | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
+        self.credentials = credentials  # what remote runs' servers and weight server require
         self.threads = threads  # torch threads of an in-process backend (0: torch's default)
         self.sessions = sessions  # needed for remote runs (their replica URLs)
         self.replica_config = replica_config or ReplicaConfig()
@@ -213,7 +216,7 @@ class BackendPool:
         template = await asyncio.to_thread(ChatTemplate, model_dir)
         max_context = await asyncio.to_thread(_model_context, model_dir)
         kind = registry.get(backend)
-        members = [(url, kind.connect_to(url), url) for url in urls]
+        members = [(url, kind.connect_to(url, credentials=self.credentials), url) for url in urls]
         replicas = ReplicaSet(members, self.replica_config)
         try:
             for _, be, _ in members:
@@ -249,7 +252,8 @@ class BackendPool:
         """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
         replicas = self._replica_set(run_id)
         if replicas is not None:
-            await replicas.add_replica(url, registry.get(kind).connect_to(url), url)
+            backend = registry.get(kind).connect_to(url, credentials=self.credentials)
+            await replicas.add_replica(url, backend, url)
 
     async def remove_replica(self, run_id: str, url: str) -> None:
         """Drain and drop a server from a loaded run; the last one unloads the run."""
