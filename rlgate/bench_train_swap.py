@@ -34,6 +34,7 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from gateway.store.checkpoints import attempt_dir
     from inference.launch import ServerConfig, install_vllm, running_server
     from inference.types import GenerateRequest, SamplingParams
     from inference.vllm_http import VLLMBackend
@@ -56,7 +57,7 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
 
     def disk(version: int) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        out = work / f"v{version}"
+        out = attempt_dir(work, "bench", version)
         write_untied_hf(lm.state_dict(), lm.config, lm.generation_config, out, model_dir)
         nbytes["disk"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         return out, time.perf_counter() - t0

@@ -55,9 +55,14 @@ def _version(trainer: Trainer, run_id: str) -> int:
         return s.get(Run, run_id).current_version
 
 
+def _ckpt(trainer: Trainer, run_id: str, version: int) -> Path:
+    """The checkpoint directory the store records for `version` (written or to be)."""
+    with trainer.sessions() as s:
+        return Path(s.get(PolicyVersion, (run_id, version)).checkpoint_path)
+
+
 def _weights(trainer: Trainer, run_id: str, version: int) -> dict[str, torch.Tensor]:
-    root = trainer.settings.checkpoints_dir / run_id
-    return load_file(root / f"v{version}" / "model.safetensors")
+    return load_file(_ckpt(trainer, run_id, version) / "model.safetensors")
 
 
 def _gone(pids: list[int], timeout_s: float = 60) -> bool:
@@ -216,7 +221,6 @@ def test_a_lora_run_on_resident_ranks_writes_the_local_engines_adapters(
     trainer = _trainer(tmp_path)
     _seed(trainer, tiny_model_dir, FSDP2.model_copy(update=lora), "fsdp-lora", 2)
     _seed(trainer, tiny_model_dir, LOCAL.model_copy(update=lora), "local-lora", 2)
-    root = trainer.settings.checkpoints_dir
     try:
         for step in range(2):
             trainer.train_step("fsdp-lora", step)
@@ -224,10 +228,10 @@ def test_a_lora_run_on_resident_ranks_writes_the_local_engines_adapters(
             fsdp, local = _row(trainer, "fsdp-lora", step), _row(trainer, "local-lora", step)
             assert fsdp.metrics["group_steps"] == step + 1
             assert fsdp.metrics["kl_ref"] == pytest.approx(local.metrics["kl_ref"], abs=1e-5)
-            out = root / "fsdp-lora" / f"v{step + 1}"
+            out = _ckpt(trainer, "fsdp-lora", step + 1)
             assert is_adapter_dir(out) and not (out / "model.safetensors").exists()
             mine = load_file(out / "adapter_model.safetensors")
-            theirs = load_file(root / "local-lora" / f"v{step + 1}" / "adapter_model.safetensors")
+            theirs = load_file(_ckpt(trainer, "local-lora", step + 1) / "adapter_model.safetensors")
             assert mine.keys() == theirs.keys() and mine
             for key, value in mine.items():
                 assert torch.allclose(value, theirs[key], atol=1e-5), key

@@ -22,7 +22,15 @@ from safetensors.torch import load_file
 from gateway.store.models import Run
 from inference.weight_sync import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, receive_weights
-from tests.integration.test_resident import BASE, _gone, _row, _seed, _trainer, _wait_released
+from tests.integration.test_resident import (
+    BASE,
+    _ckpt,
+    _gone,
+    _row,
+    _seed,
+    _trainer,
+    _wait_released,
+)
 from trainer.batch import load_step_samples
 from trainer.config import RunConfig
 from trainer.engine import LocalEngine
@@ -59,14 +67,13 @@ def test_resident_ranks_offer_every_version_and_save_every_second(
     trainer = _trainer(tmp_path)
     _seed(trainer, tiny_model_dir, fsdp, "fsdp", 3)
     _seed(trainer, tiny_model_dir, LOCAL, "local", 3)
-    root = trainer.settings.checkpoints_dir
     try:
         received: dict[tuple[str, int], dict] = {}
         for step in range(3):
             for run_id in ("fsdp", "local"):
                 trainer.train_step(run_id, step)
                 v = step + 1
-                ckpt = root / run_id / f"v{v}"
+                ckpt = _ckpt(trainer, run_id, v)
                 assert saved(ckpt) == (v % 2 == 0), (run_id, v)
                 assert _row(trainer, run_id, step).metrics["saved"] == float(v % 2 == 0)
                 received[run_id, v] = _receive(ckpt, v)
@@ -74,7 +81,7 @@ def test_resident_ranks_offer_every_version_and_save_every_second(
                     _close(received[run_id, v], load_file(ckpt / "model.safetensors"), 0.0)
             # the resident group and the local engine trained the same step
             _close(received["fsdp", step + 1], received["local", step + 1], 2e-5)
-        assert not offer_path(root / "fsdp" / "v2").exists()  # only the newest is offered
+        assert not offer_path(_ckpt(trainer, "fsdp", 2)).exists()  # only the newest is offered
         base = load_file(tiny_model_dir / "model.safetensors")
         moved = received["fsdp", 3]["model.embed_tokens.weight"] - base["model.embed_tokens.weight"]
         assert moved.abs().max().item() > 1e-4, "the steps barely moved the weights"
@@ -86,9 +93,9 @@ def test_resident_ranks_offer_every_version_and_save_every_second(
                 s.get(Run, run_id).status = "paused"
         _wait_released(trainer, "fsdp")
         assert _gone(pids)
-        v3 = root / "fsdp" / "v3"
+        v3 = _ckpt(trainer, "fsdp", 3)
         _close(received["fsdp", 3], load_file(v3 / "model.safetensors"), 0.0)
-        local_v3 = root / "local" / "v3"
+        local_v3 = _ckpt(trainer, "local", 3)
         for _ in range(100):  # the local engine's watcher checks every 2 s
             if saved(local_v3):
                 break
@@ -103,19 +110,19 @@ def test_a_crash_loses_only_the_unsaved_weights(tiny_model_dir: Path, tmp_path: 
     saved) and is still recorded as v1 -> v2; what it offers is exactly v0 plus that step."""
     trainer = _trainer(tmp_path)
     _seed(trainer, tiny_model_dir, LOCAL, "r", 2)
-    root = trainer.settings.checkpoints_dir / "r"
     try:
         trainer.train_step("r", 0)
-        assert not saved(root / "v1")
+        v1 = _ckpt(trainer, "r", 1)
+        assert not saved(v1)
     finally:
         trainer.close()  # a clean stop writes v1 ...
-    shutil.rmtree(root / "v1")  # ... so take it away again: what a SIGKILL leaves
+    shutil.rmtree(v1)  # ... so take it away again: what a SIGKILL leaves
 
     trainer = _trainer(tmp_path)
     try:
         trainer.train_step("r", 1)
         assert _row(trainer, "r", 1).status == "done"
-        got = _receive(root / "v2", 2)
+        got = _receive(_ckpt(trainer, "r", 2), 2)
         with trainer.sessions() as s:
             samples, *_ = load_step_samples(s, "r", 1, LOCAL)
         ref = LocalEngine(tiny_model_dir, 1, LOCAL)  # v0's weights, counted as v1

@@ -93,8 +93,20 @@ def test_train_step_through_redis_and_hot_swap(
     assert first["optimizer_resumed"] == 0 and second["optimizer_resumed"] == 1
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # v0 is the reference
     assert second["kl_ref"] > 0 and second["entropy"] > 0
-    states = settings.checkpoints_dir / run["run_id"] / "optimizer-fsdp"
-    assert sorted(p.name for p in states.iterdir()) == ["v1", "v2"]
+    # each version's AdamW state sits beside its checkpoint, as the store records it
+    import sqlite3
+    from pathlib import Path
+
+    conn = sqlite3.connect(f"file:{settings.data_dir / 'rlgate.db'}?mode=ro", uri=True)
+    rows = conn.execute(
+        "SELECT version, checkpoint_path, optimizer_path FROM policy_versions "
+        "WHERE run_id = ? AND version > 0 ORDER BY version",
+        (run["run_id"],),
+    ).fetchall()
+    conn.close()
+    assert [v for v, _, _ in rows] == [1, 2]
+    for _, ckpt, state in rows:
+        assert state == ckpt + ".optimizer" and (Path(state) / "meta.json").is_file()
 
 
 FSDP_CONFIG = {
