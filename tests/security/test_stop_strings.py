@@ -1,0 +1,94 @@
+"""One stream's stop strings cannot stall the gateway: a 300,000-character stop string is
+refused, and streams with stop strings at the caps leave `/health` answering fast."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from gateway.request_caps import CAPS
+
+if TYPE_CHECKING:
+    from tests.conftest import GatewayServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+USER = [{"role": "user", "content": "write a long story"}]
+
+
+@pytest.fixture(scope="module")
+def run(gateway_server: GatewayServer) -> dict:
+    return gateway_server.create_run(name="stops")
+
+
+@pytest.fixture(scope="module")
+def http(gateway_server: GatewayServer, run: dict) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {run['api_key']}"}
+    with httpx.Client(base_url=gateway_server.url, headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+def test_a_300000_character_stop_string_is_refused(http: httpx.Client, run: dict, path) -> None:
+    body: dict = {"model": run["name"], "max_tokens": 64, "stream": True}
+    if path == "/v1/completions":
+        body |= {"prompt": "once", "stop": "a" * 300_000}
+    elif path == "/v1/messages":
+        body |= {"messages": USER, "stop_sequences": ["a" * 300_000]}
+    else:
+        body |= {"messages": USER, "stop": ["a" * 300_000]}
+    t0 = time.perf_counter()
+    resp = http.post(path, json=body)
+    assert resp.status_code == 400, resp.text[:300]
+    assert time.perf_counter() - t0 < 5
+
+
+def _at_the_caps() -> list[str]:
+    """Stop strings as many and as long as allowed, that random text keeps half-matching."""
+    return ["a" * (CAPS.stop_string_chars - 1 - i) + "b" for i in range(CAPS.stop_strings)]
+
+
+def test_health_stays_fast_while_streams_run_with_stop_strings_at_the_caps(
+    gateway_server: GatewayServer, http: httpx.Client, run: dict
+) -> None:
+    body = {
+        "model": run["name"],
+        "messages": USER,
+        "max_tokens": 900,  # most of the tiny model's 1,024-token context: seconds of stream
+        "temperature": 1.0,
+        "stream": True,
+        "stop": _at_the_caps(),
+    }
+    streamed: list[int] = []
+
+    def stream() -> None:
+        url, headers = gateway_server.url, http.headers
+        with (
+            httpx.Client(base_url=url, headers=headers, timeout=120) as c,
+            c.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            streamed.append(sum(1 for line in resp.iter_lines() if line.startswith("data:")))
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    latencies = []
+    with httpx.Client(base_url=gateway_server.url, timeout=10) as probe:
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert len(streamed) == 3 and min(streamed) > 100, streamed  # they did stream
+    assert len(latencies) >= 50, len(latencies)
+    latencies.sort()
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    assert p99 < 0.1, f"/health p99 {p99 * 1000:.0f} ms over {len(latencies)} probes"
