@@ -43,12 +43,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from rlgate.serve import serve
-    from rlgate.stack import start_worker, stop
+    from rlgate.stack import start_worker, stop, with_secrets
 
     update = {"data_dir": Path(args.data_dir)} if args.data_dir else {}
     if args.workers is not None:
         update["gateway_workers"] = args.workers
-    settings = Settings().model_copy(update=update)
+    settings = with_secrets(Settings().model_copy(update=update))
     try:  # fail early (or warn) about the admin credential, before the worker starts
         settings.resolved_admin_key(args.host)
         settings.check_workers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -20,6 +21,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def with_secrets(settings: Settings) -> Settings:
+    """`settings` with a fresh `weight_sync_secret` unless one is set.
+
+    The embedded stack's processes (gateway, worker, the worker's torchrun ranks) get
+    it through their environment (`settings_env`), so the trainer's weight server is
+    never open to another local user's process, even on loopback.
+    """
+    if settings.weight_sync_secret:
+        return settings
+    return settings.model_copy(update={"weight_sync_secret": secrets.token_urlsafe(32)})
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -84,6 +97,7 @@ def stack_processes(
     """
     logs.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
+    settings = with_secrets(settings)
     worker = start_worker(settings, logs / "worker.log")
     gateway = start_gateway(settings, host, port, logs / "gateway.log")
     url = f"http://{host}:{port}"

@@ -43,6 +43,7 @@ from trainer.launch import read_samples
 from trainer.weight_sync import WeightServer, distributed_hf_state
 
 SOCKET_ENV = "RLGATE_RESIDENT_SOCKET"  # set by the worker that owns the queue, on its node only
+WEIGHT_SECRET_ENV = "RLGATE_WEIGHT_SYNC_SECRET"  # the worker's, inherited: weight_sync_secret
 INIT_KEY = "rlgate/resident/init"
 COMMAND_TIMEOUT = timedelta(days=7)  # an idle group waits on the next command this long
 PR_SET_PDEATHSIG = 1
@@ -100,13 +101,18 @@ class Rank:
         sock: socket.socket | None,
         run_id: str = "",
         weight_host: str = "127.0.0.1",
+        weight_secret: str = "",
     ) -> None:
         self.engine, self.leader_rank, self.sock = engine, leader_rank, sock
         self.run_id = run_id
         self.commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.steps = 0  # steps this group has run: 1, 2, 3 ... while the model stays resident
         collective = engine.cfg.weight_sync == "collective"
-        self.weights = WeightServer(weight_host) if collective and dist.get_rank() == 0 else None
+        self.weights = (
+            WeightServer(weight_host, secret=weight_secret)
+            if collective and dist.get_rank() == 0
+            else None
+        )
 
     def next_command(self) -> tuple[proto.Message, list | None]:
         """The leader's next command (and a Step's samples), the same on every rank."""
@@ -180,7 +186,10 @@ def main() -> int:
     init = proto.decode(published["init"])
     engine = build_engine(init)
     try:
-        Rank(engine, published["leader"], sock, init.run_id, init.weight_host).serve()
+        # The secret comes from the worker's environment (torchrun passes it on), never
+        # through `Init`, which is published in torchrun's store for every rank to read.
+        secret = os.environ.get(WEIGHT_SECRET_ENV, "")
+        Rank(engine, published["leader"], sock, init.run_id, init.weight_host, secret).serve()
     finally:
         if sock is not None:
             with contextlib.suppress(OSError):

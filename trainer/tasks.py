@@ -79,7 +79,9 @@ class Trainer:
         # torchrun engines: each run's ranks stay up between steps (trainer.resident_pool)
         self.resident = ResidentPool(settings.node(), settings.resident_idle_s, self._run_active)
         # weight_sync: when checkpoints are written; collective: the newest weights, offered
-        self.weights = StepWeights(host=settings.weight_sync_host)
+        self.weights = StepWeights(
+            host=settings.weight_sync_host, secret=settings.weight_sync_secret
+        )
         self.weights.watch(self._run_active)
 
     def engine_for(self, run: Run, cfg: RunConfig, session: Session) -> Engine:

@@ -23,10 +23,20 @@ Ordering contract (the whole sequence: docs/weight-sync.md):
 
 When a version's checkpoint is written, and the offer file that tells the
 gateway about the snapshot: `trainer.weight_sync_steps`.
+
+Access: the server listens on `host` only (`weight_sync_host`, loopback by
+default; never a wildcard). With a `secret` (`weight_sync_secret`; required
+off loopback) every request must carry `Authorization: Bearer <secret>`,
+compared in constant time; any other gets 401 before its body is read, and
+its connection is closed. The gloo rendezvous a transfer opens (a `TCPStore`
+on `host`, a fresh port per transfer) has no authentication of its own: it is
+protected by the private network, like vLLM's control endpoints
+(docs/security.md).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -51,6 +61,7 @@ from inference.weight_wire.rlgate_weight_wire import (
     send_weights,
     tensor_list,
 )
+from rlgate.settings import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +72,21 @@ PROTOCOLS = ("rlgate", "torch")  # rlgate's vLLM worker extension; SGLang
 
 class VersionGone(LookupError):
     """The weight server holds another version of the run (or none)."""
+
+
+def check_bind(host: str, secret: str) -> None:
+    """Raise ValueError unless `host` is one interface, and a loopback one if there is no
+    secret: a weight server's transfers hand out the policy's weights."""
+    if host.strip().strip("[]") in ("", "0.0.0.0", "::"):
+        raise ValueError(
+            f"weight_sync_host {host!r} is a wildcard: set it to this worker's address on the "
+            "private network that the gateway and the inference servers reach it by"
+        )
+    if not secret and not is_loopback(host):
+        raise ValueError(
+            f"weight_sync_host {host!r} is not a loopback address: set "
+            "RLGATE_WEIGHT_SYNC_SECRET (the same on the worker and the gateway)"
+        )
 
 
 def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -92,9 +118,12 @@ def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
 class WeightServer:
     """Per run, the newest version's weights, sent to inference servers on request (docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 600.0, secret: str = "") -> None:
+        check_bind(host, secret)
         self.host = host
         self.timeout_s = timeout_s  # a receiver that never joins frees its transfer after this
+        # what a request's Authorization header must be; None: no secret (loopback only)
+        self.expected = f"Bearer {secret}".encode() if secret else None
         self._snapshots: dict[str, tuple[int, Packed]] = {}
         self._reading: dict[int, int] = {}  # id(Packed) -> transfers sending it now
         self._lock = threading.Lock()
@@ -204,9 +233,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: ThreadingHTTPServer
 
     def do_GET(self) -> None:
-        self._answer(200 if self.path == "/health" else 404, {})
+        if self._allowed():
+            self._answer(200 if self.path == "/health" else 404, {})
 
     def do_POST(self) -> None:
+        if not self._allowed():
+            return
         match = TRANSFER_PATH.match(self.path)
         if match is None:
             self._answer(404, {"error": f"no route {self.path}"})
@@ -230,9 +262,22 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._answer(200, answer)
 
+    def _allowed(self) -> bool:
+        """Whether the request carries the secret; if not, it is answered 401 and closed."""
+        expected = self.server.owner.expected  # type: ignore[attr-defined]
+        given = self.headers.get("Authorization", "").encode()
+        if expected is None or hmac.compare_digest(given, expected):
+            return True
+        logger.warning("weight server: refused %s from %s", self.path, self.client_address[0])
+        self.close_connection = True  # nothing of its body is read: the connection is done
+        self._answer(401, {"error": "weight server: missing or wrong secret"})
+        return False
+
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()

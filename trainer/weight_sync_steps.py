@@ -59,6 +59,7 @@ class StepWeights:
     collective; write what is still unsaved when asked (pause, stop, worker shutdown)."""
 
     host: str = "127.0.0.1"
+    secret: str = field(default="", repr=False)  # the weight server's (weight_sync_secret)
     server: WeightServer | None = None
     unsaved: dict[str, Unsaved] = field(default_factory=dict)
     locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -86,7 +87,7 @@ class StepWeights:
         t1 = time.perf_counter()
         if cfg.weight_sync == "collective":
             if self.server is None:
-                self.server = WeightServer(self.host)
+                self.server = WeightServer(self.host, secret=self.secret)
             self.server.publish(run_id, version, state())
             write_offer(out_dir, self.server.url_for(run_id), version)
             if due:
