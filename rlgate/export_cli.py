@@ -21,6 +21,8 @@ from urllib.parse import quote
 
 import httpx
 
+from gateway.store.checkpoints import fsync_dir, fsync_tree
+
 TIMEOUT = httpx.Timeout(30.0, read=600.0)  # a large Parquet export is built before it is sent
 
 
@@ -68,6 +70,7 @@ def export(
             print(f"export failed: {refused}", file=sys.stderr)
             return 1
         os.replace(tmp, out)
+        fsync_dir(out.parent)  # the new name survives a crash, not only the bytes
     except httpx.HTTPError as exc:
         print(f"export failed: cannot read from the gateway at {url}: {exc}", file=sys.stderr)
         return 1
@@ -90,6 +93,8 @@ def _download(endpoint: str, params: dict, headers: dict[str, str], dest: Path) 
         with dest.open("wb") as f:
             for chunk in resp.iter_bytes():
                 f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())  # whole on disk before it replaces the old export
     return None
 
 
@@ -118,8 +123,10 @@ def export_model(
         with tarfile.open(tar_path) as tar:
             tar.extractall(scratch / "x", filter="data")
         (top,) = (scratch / "x").iterdir()  # one folder, "<run>-v<version>"
+        fsync_tree(top)
         shutil.rmtree(out, ignore_errors=True)
         top.rename(out)
+        fsync_dir(out.parent)
     except httpx.HTTPError as exc:
         print(f"export failed: cannot read from the gateway at {url}: {exc}", file=sys.stderr)
         return 1
