@@ -126,20 +126,25 @@ class GatewayMetrics:
 
 
 class _WithoutRuns:
-    """A registry's families with the `run_id` label gone: counters summed, gauges dropped."""
+    """A registry's families with nothing that names a run: `run_id`-labelled counters
+    summed over runs, `run_id`-labelled gauges dropped, and of the overload guard's
+    scopes (`backend:<run id>`, a LoRA base's model path) only the process's kept."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.registry.collect():
-            if not any("run_id" in s.labels for s in fam.samples):
-                yield fam
+            samples = [s for s in fam.samples if s.labels.get("scope", "process") == "process"]
+            if not any("run_id" in s.labels for s in samples):
+                out = Metric(fam.name, fam.documentation, fam.type)
+                out.samples = samples
+                yield out
                 continue
             if fam.type != "counter":
                 continue
             sums: dict[tuple, float] = {}
-            for s in fam.samples:
+            for s in samples:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "run_id"))
                 sums[(s.name, labels)] = sums.get((s.name, labels), 0.0) + s.value
             out = Metric(fam.name, fam.documentation, fam.type)

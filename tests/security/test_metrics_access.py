@@ -70,7 +70,10 @@ def test_metrics_need_the_admin_key_by_default(gateway_launcher, tmp_path: Path)
 
 
 def test_public_metrics_name_no_run(gateway_launcher, tmp_path: Path) -> None:
-    server = gateway_launcher(tmp_path / "data", metrics_public=True)
+    # a per-backend overload limit: its limiter's scope names the run (backend:<run id>)
+    server = gateway_launcher(
+        tmp_path / "data", metrics_public=True, overload_max_inflight_per_backend=8
+    )
     try:
         run = server.create_run("public-metrics")
         for _ in range(3):
@@ -83,7 +86,8 @@ def test_public_metrics_name_no_run(gateway_launcher, tmp_path: Path) -> None:
     assert run["run_id"] not in public.text and "run_id" not in public.text
     assert _samples(public.text, "rlgate_completions_total") == {"": 3.0}  # summed over runs
     assert _samples(admin.text, "rlgate_completions_total") == {run["run_id"]: 3.0}
-    assert run["run_id"] in admin.text
+    assert f'scope="backend:{run["run_id"]}"' in admin.text
+    assert 'scope="process"' in public.text
 
 
 async def test_a_scrape_runs_no_sql_and_counts_what_was_stored(
