@@ -161,9 +161,13 @@ def test_two_workers_as_two_nodes_train_like_one_node(
 
             metrics = s.get(TrainStep, (two, 0)).metrics
         assert metrics["world_size"] == 2 and metrics["grad_norm"] > 0
-        root = settings.checkpoints_dir
-        got = load_file(root / two / "v1" / "model.safetensors")
-        want = load_file(root / one / "v1" / "model.safetensors")
+        with trainer.sessions() as s:  # the directories the store records for v1
+            from gateway.store.models import PolicyVersion
+
+            got, want = (
+                load_file(Path(s.get(PolicyVersion, (r, 1)).checkpoint_path) / "model.safetensors")
+                for r in (two, one)
+            )
         base = load_file(tiny_model_dir / "model.safetensors")
         assert set(got) == set(want)
         for name, w in want.items():
