@@ -53,6 +53,19 @@ ERROR_SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 
+# One server-sent event (OpenAPI 3.2's reading of a `text/event-stream` schema): its `data` is
+# a JSON chunk of the API family, or OpenAI's closing `[DONE]`.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
 DESCRIPTIONS = {
     400: "Invalid request: malformed body, wrong type, or a value past a documented cap",
     401: "No key, an unknown or revoked key, or a key of the wrong kind for this endpoint",
@@ -114,7 +127,7 @@ def declare_errors(schema: dict[str, Any]) -> dict[str, Any]:
             ok = next((responses[s] for s in ("200", "201") if s in responses), None)
             if ok is not None and _streams(schema, operation):
                 # `stream: true` answers server-sent events instead of the JSON object.
-                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
     return schema
