@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import socket
 
 import uvicorn
 from fastapi import FastAPI
@@ -46,22 +47,27 @@ def serve(settings: Settings, host: str, port: int, workers: int = 1) -> None:
     settings.check_workers()
     upgrade(settings.resolved_database_url)
     os.environ.update(settings_env(settings))  # each worker builds these Settings
-    # Their /metrics counters add up through files here (gateway.metrics); a fresh folder,
-    # as the files of an earlier start would count again.
-    shared = settings.data_dir.resolve() / "metrics-processes"
+    # Their /metrics counters add up through files in a folder of this supervisor's own (the
+    # data dir may be shared by other hosts' gateways): files of another start would count.
+    shared = (
+        settings.data_dir.resolve() / "metrics-processes" / f"{socket.gethostname()}-{os.getpid()}"
+    )
     shutil.rmtree(shared, ignore_errors=True)
     shared.mkdir(parents=True)
     os.environ[MULTIPROC_ENV] = str(shared)
     os.environ[PARENT_ENV] = str(os.getpid())  # ... and dies with this supervisor
-    uvicorn.run(
-        "rlgate.serve:app_from_env",
-        factory=True,
-        workers=workers,
-        host=host,
-        port=port,
-        log_level="info",
-        access_log=False,
-    )
+    try:
+        uvicorn.run(
+            "rlgate.serve:app_from_env",
+            factory=True,
+            workers=workers,
+            host=host,
+            port=port,
+            log_level="info",
+            access_log=False,
+        )
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def app_from_env() -> FastAPI:
