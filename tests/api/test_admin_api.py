@@ -220,15 +220,16 @@ def test_prometheus_metrics(fx, admin) -> None:
             if all(s.labels.get(k) == v for k, v in labels.items())
         )
 
-    out_tokens = 0
+    out_tokens = completions = 0
     for ep in admin.get(f"/admin/v1/runs/{rid}/episodes", params={"limit": 500}).json()["data"]:
         detail = admin.get(f"/admin/v1/runs/{rid}/episodes/{ep['episode_id']}").json()
         out_tokens += sum(len(c["output_token_ids"]) for c in detail["completions"])
+        completions += len(detail["completions"])
+    # counted as the completions were committed (a scrape reads no table)
     assert value("rlgate_output_tokens", run_id=rid) == out_tokens
+    assert value("rlgate_completions", run_id=rid) == completions
     info = admin.get(f"/admin/v1/runs/{rid}").json()
     assert value("rlgate_served_version", run_id=rid) == info["served_version"]
-    assert value("rlgate_current_version", run_id=rid) == info["current_version"]
-    assert value("rlgate_episodes", run_id=rid, status="trained") >= 8
 
 
 def test_checkpoints_dir_is_removed_on_delete(fx, admin) -> None:
