@@ -108,3 +108,18 @@ def test_a_wildcard_bind_is_refused(host: str) -> None:
 def test_off_loopback_the_secret_is_required() -> None:
     with pytest.raises(ValueError, match="RLGATE_WEIGHT_SYNC_SECRET"):
         WeightServer("10.1.2.3")  # refused before anything binds
+
+
+def test_the_embedded_stack_generates_one_secret_for_its_processes(tmp_path) -> None:
+    """`rlgate up` and the demo's stack: a fresh secret per start unless one is set, in the
+    environment every process they start builds its Settings from."""
+    from rlgate.settings import Settings
+    from rlgate.stack import settings_env, with_secrets
+
+    base = Settings(data_dir=tmp_path, weight_sync_secret="")
+    first, second = with_secrets(base), with_secrets(base)
+    assert len(first.weight_sync_secret) >= 32
+    assert first.weight_sync_secret != second.weight_sync_secret
+    assert settings_env(first)["RLGATE_WEIGHT_SYNC_SECRET"] == first.weight_sync_secret
+    chosen = base.model_copy(update={"weight_sync_secret": SECRET})
+    assert with_secrets(chosen).weight_sync_secret == SECRET
