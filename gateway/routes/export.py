@@ -36,7 +36,8 @@ async def export_run(
     request: Request,
     fmt: Annotated[ExportFormat, Query(alias="format")] = "jsonl",
     status: Annotated[EpisodeStatus | None, Query()] = None,
-    min_version: Annotated[int | None, Query(ge=0)] = None,
+    # versions are 32-bit integers in the store: a larger bound is a 400, not a driver error
+    min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
 ) -> StreamingResponse:
     """One record per episode, oldest first; see docs/export.md for the schema."""
     await request.app.state.runs.get(run_id)  # a 404 must come before the first byte
