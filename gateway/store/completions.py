@@ -231,19 +231,6 @@ async def call_stats(session: AsyncSession, run_id: str) -> tuple[dict[str, int]
     return {str(k): int(v) for k, v in links.items() if k is not None}, int(drift)
 
 
-async def token_totals(session: AsyncSession) -> dict[str, tuple[int, int]]:
-    """Run -> (prompt tokens, sampled tokens) over all its completions."""
-    # length() of the packed int32 arrays is 4 bytes per token on SQLite and PostgreSQL.
-    rows = await session.execute(
-        select(
-            Completion.run_id,
-            func.coalesce(func.sum(func.length(Completion.prompt_token_ids)), 0),
-            func.coalesce(func.sum(func.length(Completion.output_token_ids)), 0),
-        ).group_by(Completion.run_id)
-    )
-    return {r: (int(p) // 4, int(o) // 4) for r, p, o in rows.all()}
-
-
 async def count_completions(session: AsyncSession, run_id: str) -> int:
     stmt = select(func.count()).where(Completion.run_id == run_id)
     return int((await session.execute(stmt)).scalar_one())

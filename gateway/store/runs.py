@@ -19,12 +19,6 @@ async def active_run_ids(session: AsyncSession) -> list[str]:
     return list((await session.execute(select(Run.id).where(Run.status == "active"))).scalars())
 
 
-async def current_versions(session: AsyncSession) -> dict[str, int]:
-    """Run -> its newest policy version, over every run."""
-    rows = (await session.execute(select(Run.id, Run.current_version))).all()
-    return {r: int(v) for r, v in rows}
-
-
 async def run_version(session: AsyncSession, run_id: str) -> int | None:
     """The run's newest policy version (None: no such run)."""
     stmt = select(Run.current_version).where(Run.id == run_id)

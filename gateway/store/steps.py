@@ -57,12 +57,3 @@ async def pending_steps(session: AsyncSession) -> int:
     """Steps queued or running, over every run."""
     stmt = select(func.count()).where(TrainStep.status.in_(STEP_IN_FLIGHT))
     return int((await session.execute(stmt)).scalar_one())
-
-
-async def pending_steps_by_run(session: AsyncSession) -> dict[str, int]:
-    stmt = (
-        select(TrainStep.run_id, func.count())
-        .where(TrainStep.status.in_(STEP_IN_FLIGHT))
-        .group_by(TrainStep.run_id)
-    )
-    return {r: int(n) for r, n in (await session.execute(stmt)).all()}

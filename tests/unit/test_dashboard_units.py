@@ -14,7 +14,6 @@ from gateway.dashboard.auth import SessionSigner
 from gateway.dashboard.routes import logprob_colour
 from gateway.services.admin_metrics import _point
 from gateway.services.admin_runs import tar_stream
-from gateway.services.quotas import _TokenCounter
 from gateway.store.models import TrainStep
 
 
@@ -55,31 +54,6 @@ def test_tar_stream_reads_back(tmp_path) -> None:
     with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     assert got == {f"ckpt/{k}": v for k, v in files.items()}
-
-
-def _sse(*objs: object) -> list[bytes]:
-    text = "".join(f"data: {json.dumps(o)}\n\n" for o in objs) + "data: [DONE]\n\n"
-    raw = text.encode()
-    return [raw[i : i + 7] for i in range(0, len(raw), 7)]  # split mid-event on purpose
-
-
-def test_token_counter_json_and_streams() -> None:
-    c = _TokenCounter(streaming=False)
-    c.feed(b'{"usage": {"prompt_tokens": 5, ')
-    c.feed(b'"completion_tokens": 3, "total_tokens": 8}}')
-    assert c.total() == 8
-    chunk = {"choices": [{"delta": {"content": "x"}}]}
-    with_usage = _TokenCounter(streaming=True)
-    for part in _sse(chunk, chunk, {"choices": [], "usage": {"total_tokens": 42}}):
-        with_usage.feed(part)
-    assert with_usage.total() == 42
-    without = _TokenCounter(streaming=True)
-    for part in _sse(chunk, chunk, chunk):
-        without.feed(part)
-    assert without.total() == 3
-    responses_api = _TokenCounter(streaming=False)
-    responses_api.feed(b'{"usage": {"input_tokens": 4, "output_tokens": 2}}')
-    assert responses_api.total() == 6
 
 
 def test_metric_point_prefers_kl_to_the_base_model() -> None:
