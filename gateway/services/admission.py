@@ -48,6 +48,9 @@ in a per-run FIFO. One poller per run with waiters re-counts the store every
 waiter not admitted within the run's `admission_wait_s` gets 429 with
 `Retry-After: 60`, which the openai SDK honours (it retries twice by
 default); a run paused or stopped meanwhile answers its usual 429 at once.
+A waiter holds none of the process's overload slots while it waits
+(`gateway.services.overload.SlotLease`): it takes them again, in line, once
+admitted, so a run whose trainer is behind cannot starve the other runs.
 Reservations (admitted, not stored) end when the episode shows up in the
 store, or after `reservation_ttl_s` for a request that failed before storing.
 
@@ -85,6 +88,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.errors import RateLimited
 from gateway.services.episodes import Placement
+from gateway.services.overload import slots_stepped_out
 from gateway.store.episodes import stored_episode_ids, unconsumed_by_group
 from gateway.store.models import Run
 from gateway.store.runs import run_version
@@ -261,7 +265,15 @@ class Admission:
                     return  # a named episode that exists: a later turn, never held
         if cfg.admission_wait_s == 0:
             raise _over_capacity(run, cfg)
-        waiter = _Waiter(ids, group, asyncio.get_running_loop().create_future())
+        # A held call waits without its overload slots: it does no work meanwhile, and a run
+        # whose trainer is behind must not hold every slot of the process (the slots are
+        # taken again, in line, once it is admitted).
+        async with slots_stepped_out():
+            waiter = _Waiter(ids, group, asyncio.get_running_loop().create_future())
+            await self._wait(run, cfg, gate, waiter)
+
+    async def _wait(self, run: Run, cfg: RunConfig, gate: _Gate, waiter: _Waiter) -> None:
+        """In line until the poller admits `waiter`; RateLimited past `admission_wait_s`."""
         gate.waiters.append(waiter)
         if gate.poller is None or gate.poller.done():
             gate.poller = asyncio.create_task(self._poll(run.id, gate), name=f"admit-{run.id}")

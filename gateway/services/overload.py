@@ -59,12 +59,14 @@ The run of a call is the one `AgentKeyCheck` authenticated (through
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -369,6 +371,70 @@ def backend_scope(run: Run) -> str:
     return f"backend:{run.id}"
 
 
+class SlotLease:
+    """The slots one sampling call holds, in the order it took them.
+
+    `stepped_out()` gives them back while the call waits on something other than
+    this process's capacity (its run's admission, `gateway.services.admission`),
+    and takes them again, in line like any call, when that wait ends. Without it a
+    run whose trainer is behind would hold every slot of the process with calls
+    that only wait, and fair share could not help: it never preempts.
+    """
+
+    def __init__(self, guard: OverloadGuard, owner: str | None) -> None:
+        self.guard = guard
+        self.owner = owner
+        self.held: list[Limiter] = []
+
+    async def take(self, limiters: list[Limiter]) -> bool:
+        """Take each limiter's slot within one queue deadline; whether any had to wait.
+        On Overloaded (or cancellation) nothing is held."""
+        deadline = time.monotonic() + self.guard.cfg.queue_timeout_s
+        waited = False
+        try:
+            for limiter in limiters:
+                waited |= await limiter.acquire(deadline, self.owner)
+                self.held.append(limiter)
+        except BaseException:
+            self.release()
+            raise
+        return waited
+
+    def release(self, held_s: float | None = None) -> None:
+        for limiter in reversed(self.held):
+            limiter.release(self.owner, held_s)
+        self.held = []
+
+    @contextlib.asynccontextmanager
+    async def stepped_out(self) -> AsyncIterator[None]:
+        """Hold no slot inside; on a normal exit take them again (429 `overloaded` past the
+        queue deadline). An exception from inside propagates with nothing held."""
+        limiters = self.held
+        self.release()
+        yield
+        try:
+            await self.take(limiters)
+        except Overloaded as exc:
+            raise overloaded_error(exc) from None
+
+
+_LEASE: contextvars.ContextVar[SlotLease | None] = contextvars.ContextVar(
+    "rlgate_slot_lease", default=None
+)
+
+
+@contextlib.asynccontextmanager
+async def slots_stepped_out() -> AsyncIterator[None]:
+    """The current call's slots given back for the `async with` body (no-op outside a call
+    that holds any, e.g. in-process callers and tests)."""
+    lease = _LEASE.get()
+    if lease is None:
+        yield
+        return
+    async with lease.stepped_out():
+        yield
+
+
 class OverloadMiddleware:
     """ASGI middleware: a slot per scope for each sampling call, or a quick 429."""
 
@@ -386,24 +452,14 @@ class OverloadMiddleware:
             return
         # AgentKeyCheck (gateway.identity) ran first: a call here has a valid key and its run
         run: Run | None = scope.get("state", {}).get("run")
-        owner = run.id if run is not None else None
-        held: list[Limiter] = []
-        waited = False
-        deadline = time.monotonic() + self.guard.cfg.queue_timeout_s
+        lease = SlotLease(self.guard, run.id if run is not None else None)
         try:
-            for limiter in self.guard.scopes(run):
-                waited |= await limiter.acquire(deadline, owner)
-                held.append(limiter)
+            waited = await lease.take(self.guard.scopes(run))
         except Overloaded as exc:
-            for limiter in reversed(held):
-                limiter.release(owner)
             await _too_busy(exc, scope, receive, send)
             return
-        except BaseException:
-            for limiter in reversed(held):
-                limiter.release(owner)
-            raise
         start = time.monotonic()
+        token = _LEASE.set(lease)
         try:
             if waited:  # a client that gave up while its call waited gets no work done
                 first = await receive()
@@ -415,9 +471,8 @@ class OverloadMiddleware:
                 receive = _replay(first, receive)
             await self.app(scope, receive, send)
         finally:
-            held_s = time.monotonic() - start
-            for limiter in reversed(held):
-                limiter.release(owner, held_s)
+            _LEASE.reset(token)
+            lease.release(time.monotonic() - start)
 
 
 def _replay(first: Message, receive: Receive) -> Receive:
@@ -430,14 +485,17 @@ def _replay(first: Message, receive: Receive) -> Receive:
     return replayed
 
 
-async def _too_busy(exc: Overloaded, scope: Scope, receive: Receive, send: Send) -> None:
-    wait = exc.retry_after_s
+def overloaded_error(exc: Overloaded) -> RateLimited:
+    """The 429 `overloaded` a caller turned away by `exc` gets."""
     full = "its queue is full" if exc.reason == "queue_full" else "no slot freed in time"
-    err = RateLimited(
-        f"the gateway is at capacity ({exc.scope}: {full}); retry after {wait:.1f} s",
-        retry_after_s=max(1, math.ceil(wait)),
+    return RateLimited(
+        f"the gateway is at capacity ({exc.scope}: {full}); retry after {exc.retry_after_s:.1f} s",
+        retry_after_s=max(1, math.ceil(exc.retry_after_s)),
         code="overloaded",
     )
-    response = error_response(err, scope["path"])
-    response.headers["retry-after-ms"] = str(round(wait * 1000))
+
+
+async def _too_busy(exc: Overloaded, scope: Scope, receive: Receive, send: Send) -> None:
+    response = error_response(overloaded_error(exc), scope["path"])
+    response.headers["retry-after-ms"] = str(round(exc.retry_after_s * 1000))
     await response(scope, receive, send)

@@ -269,3 +269,51 @@ async def _flood_and_probe(url: str, flood: dict, quiet: dict) -> None:
     assert quiet_codes and set(quiet_codes) == {200}, (quiet_codes, waits)
     # while the flood's own calls waited in line past the deadline: contention was real
     assert flood_codes.count(429) > 0, ("no flood call was turned away", waits)
+
+
+def test_calls_held_by_a_runs_admission_leave_the_slots_to_other_runs(
+    gateway_launcher, tmp_path
+) -> None:
+    """A run whose trainer is behind (admission full) holds its new conversations for up to
+    `admission_wait_s`; they must not sit on the process's slots meanwhile."""
+    srv = gateway_launcher(
+        tmp_path / "data",
+        overload_max_inflight=4,
+        overload_min_inflight=4,
+        overload_queue_timeout_s=5,
+    )
+    try:
+        stuck = srv.create_run(
+            name="stuck", config={"max_pending_episodes": 1, "admission_wait_s": 15}
+        )
+        quiet = srv.create_run(name="quiet")
+        asyncio.run(_held_and_probe(srv.url, stuck, quiet))
+    finally:
+        stop(srv.proc)
+
+
+async def _held_and_probe(url: str, stuck: dict, quiet: dict) -> None:
+    async def call(client: httpx.AsyncClient, path: str, model: str) -> int:
+        body = {"model": model, "messages": MSGS, "max_tokens": 2}
+        return (await client.post(path, json=body)).status_code
+
+    async with (
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {stuck['api_key']}"}, timeout=60
+        ) as sc,
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {quiet['api_key']}"}, timeout=60
+        ) as qc,
+    ):
+        assert await call(qc, "/v1/chat/completions", quiet["name"]) == 200  # both warm
+        assert await call(sc, "/episodes/first/v1/chat/completions", stuck["name"]) == 200
+        held = [  # new conversations past the stuck run's capacity: each is held
+            asyncio.create_task(call(sc, f"/episodes/held-{i}/v1/chat/completions", stuck["name"]))
+            for i in range(8)
+        ]
+        await asyncio.sleep(2)
+        assert not any(t.done() for t in held), "the stuck run's calls were not held"
+        quiet_codes = [await call(qc, "/v1/chat/completions", quiet["name"]) for _ in range(4)]
+        held_codes = await asyncio.gather(*held)
+    assert quiet_codes == [200] * 4, quiet_codes
+    assert set(held_codes) == {429}, held_codes  # held to admission_wait_s, then turned away

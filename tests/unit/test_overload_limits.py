@@ -12,6 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from gateway.errors import RateLimited
+from gateway.services import overload
 from gateway.services.overload import (
     AdaptiveLimit,
     Limiter,
@@ -19,6 +21,8 @@ from gateway.services.overload import (
     Overloaded,
     OverloadGuard,
     OverloadMiddleware,
+    SlotLease,
+    slots_stepped_out,
 )
 
 FAR = 3600.0  # a deadline that never strikes in these tests
@@ -234,3 +238,50 @@ async def test_a_freed_slot_goes_first_to_a_run_under_its_share() -> None:
         w.cancel()
     await asyncio.gather(*flood_waiters[1:], return_exceptions=True)
     assert lim.queued == 0
+
+
+async def test_a_call_stepped_out_serves_another_run_then_waits_in_line_for_its_slot() -> None:
+    """What a call waiting in its run's admission does: the process's one slot serves
+    another run meanwhile, and comes back to the waiter, in line, once freed."""
+    guard = OverloadGuard(OverloadConfig(max_inflight=1, min_inflight=1, queue_timeout_s=FAR))
+    waiter = SlotLease(guard, "a")
+    await waiter.take(guard.scopes(None))
+    other = SlotLease(guard, "b")
+    token = overload._LEASE.set(waiter)
+    try:
+
+        async def admission_wait() -> None:
+            async with slots_stepped_out():
+                await other.take(guard.scopes(None))  # another run's call takes the slot
+
+        back = asyncio.create_task(admission_wait())
+        await _settle()
+        assert not back.done() and guard.process.queued == 1  # in line for its slot again
+        other.release()
+        await back
+        assert waiter.held == [guard.process] and guard.process.inflight == 1
+    finally:
+        overload._LEASE.reset(token)
+    waiter.release()
+    assert guard.process.inflight == 0
+
+
+async def test_a_failed_wait_leaves_nothing_held_and_a_late_return_is_a_429() -> None:
+    guard = OverloadGuard(OverloadConfig(max_inflight=1, min_inflight=1, queue_timeout_s=0.05))
+    lease = SlotLease(guard, "a")
+    await lease.take(guard.scopes(None))
+    token = overload._LEASE.set(lease)
+    try:
+        with pytest.raises(RateLimited):  # the admission's own 429: nothing to take back
+            async with slots_stepped_out():
+                raise RateLimited("over capacity", retry_after_s=60)
+        assert lease.held == [] and guard.process.inflight == 0
+        await lease.take(guard.scopes(None))
+        blocker = SlotLease(guard, "b")
+        with pytest.raises(RateLimited) as exc:  # the slot stays taken past the deadline
+            async with slots_stepped_out():
+                await blocker.take(guard.scopes(None))
+        assert exc.value.code == "overloaded" and lease.held == []
+    finally:
+        overload._LEASE.reset(token)
+    assert guard.process.inflight == 1  # the blocker's
