@@ -220,8 +220,8 @@ def test_a_flooding_run_leaves_the_other_run_its_share(gateway_launcher, tmp_pat
         overload_queue_timeout_s=8,
     )
     try:
-        # Admission unbounded: a new conversation past a run's admission capacity waits in
-        # `admission.admit` while holding its slot, which would measure admission, not slots.
+        # Admission unbounded: past a run's admission capacity new conversations are held
+        # there (without slots, the test below), which would measure admission, not slots.
         unbounded = {"max_pending_episodes": 10**6}
         flood = srv.create_run(name="flood", config=unbounded)
         quiet = srv.create_run(name="quiet", config=unbounded)
