@@ -25,7 +25,10 @@ back once its response (stream included) is sent:
   its share, and only when no such waiter exists to the oldest waiter. A
   run alone may use every slot; a flooding run cannot starve the others,
   which get the next slots freed. Nothing is preempted: a call already
-  holding a slot keeps it.
+  holding a slot keeps it. The queue is shared the same way: a run alone
+  may fill it, and when it is full a call of a run with fewer than
+  `run_share` of its places turns away (429, `queue_full`) the newest waiter
+  of the run with the most places past its share, and takes its place.
 * **deadline.** A waiter not given a slot within `queue_timeout_s` is
   answered then. Either answer is 429 `rate_limit_error`, code
   `overloaded`, with `retry-after-ms` and `Retry-After` (the `openai` SDK
@@ -120,7 +123,8 @@ class Limiter:
 
     Waiters queue per owner (a run; None for a call without one). A freed slot goes
     to the oldest waiter whose owner holds fewer than `share` of the slots, else to the
-    oldest waiter (see "fair share" in the module docstring).
+    oldest waiter; a full queue turns away the newest waiter of an owner past its share
+    of the places to seat one under it (see "fair share" in the module docstring).
     """
 
     def __init__(self, name: str, limit: int, max_queue: int, share: float = 1.0) -> None:
@@ -164,7 +168,7 @@ class Limiter:
         if self._free() and not self._queued:
             self._take(owner)
             return False
-        if self.max_queue and self._queued >= self.max_queue:
+        if self.max_queue and self._queued >= self.max_queue and not self._evict_for(owner):
             raise self._reject("queue_full")
         waiter = asyncio.get_running_loop().create_future()
         self._seq += 1
@@ -227,6 +231,24 @@ class Limiter:
             del self._queues[owner]
         self._queued -= 1
         return owner, waiter
+
+    def _evict_for(self, owner: str | None) -> bool:
+        """Make room in a full queue for `owner` if it has less than its share of the places:
+        the newest waiter of the owner with the most places past its share is turned away
+        (429 `queue_full`, as if it had found the queue full). Whether room was made."""
+        if self.share >= 1:
+            return False
+        fair = max(1, int(self.share * self.max_queue))
+        if len(self._queues.get(owner, ())) >= fair:
+            return False
+        hog = max(self._queues, key=lambda o: len(self._queues[o]))
+        line = self._queues[hog]
+        if hog == owner or len(line) <= fair:
+            return False
+        _, waiter = line.pop()
+        self._queued -= 1
+        waiter.set_exception(self._reject("queue_full"))
+        return True
 
     def retry_after_s(self) -> float:
         """The wait a caller turned away now may expect: the line ahead, slot by slot."""

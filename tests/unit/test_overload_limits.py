@@ -285,3 +285,27 @@ async def test_a_failed_wait_leaves_nothing_held_and_a_late_return_is_a_429() ->
     finally:
         overload._LEASE.reset(token)
     assert guard.process.inflight == 1  # the blocker's
+
+
+async def test_a_full_queue_seats_a_run_under_its_share_by_turning_away_the_hog() -> None:
+    lim = Limiter("process", limit=1, max_queue=4, share=0.5)
+    await lim.acquire(later(), "hog")
+    hog = [asyncio.create_task(lim.acquire(later(), "hog")) for _ in range(4)]
+    await _settle()
+    assert lim.queued == 4  # a run alone may fill the queue
+    quiet = asyncio.create_task(lim.acquire(later(), "quiet"))
+    await _settle()
+    assert lim.queued == 4 and not quiet.done()
+    with pytest.raises(Overloaded) as exc:  # the hog's newest waiter made room
+        await hog[-1]
+    assert exc.value.reason == "queue_full" and lim.rejected["queue_full"] == 1
+    # past its share of places the hog cannot push the quiet run out again
+    with pytest.raises(Overloaded):
+        await lim.acquire(later(), "hog")
+    waiting = {quiet: "quiet", **{t: "hog" for t in hog[:-1]}}
+    lim.release("hog")
+    while waiting:  # every waiter left in the line is served in turn: none was lost
+        done, _ = await asyncio.wait(waiting, timeout=1)
+        assert len(done) == 1, "exactly one waiter holds the one slot"
+        lim.release(waiting.pop(done.pop()))
+    assert lim.inflight == 0 and lim.queued == 0
