@@ -29,6 +29,17 @@ from gateway.store.keys import run_for_key_hash
 from gateway.store.models import Run
 
 SAMPLING_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+def is_sampling_call(scope: Scope) -> bool:
+    """A POST to a sampling endpoint, under any episode prefix: what takes an overload slot."""
+    return (
+        scope["type"] == "http"
+        and scope["method"] == "POST"
+        and scope["path"].endswith(SAMPLING_SUFFIXES)
+    )
+
+
 _MISSING = (
     "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
     "missing_api_key",
@@ -132,11 +143,7 @@ class AgentKeyCheck:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].endswith(SAMPLING_SUFFIXES)
-        ):
+        if not is_sampling_call(scope):
             await self.app(scope, receive, send)
             return
         try:

@@ -78,12 +78,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import RateLimited, error_response
+from gateway.identity import is_sampling_call
 from gateway.store.models import Run
 from inference import registry
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MAX_RETRY_AFTER_S = 60.0  # what the openai SDK honours (newer versions: 120)
 MIN_RETRY_AFTER_S = 0.1
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left first
@@ -465,11 +465,7 @@ class OverloadMiddleware:
         self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].endswith(SAMPLING_SUFFIXES)
-        ):
+        if not is_sampling_call(scope):
             await self.app(scope, receive, send)
             return
         # AgentKeyCheck (gateway.identity) ran first: a call here has a valid key and its run
