@@ -37,7 +37,7 @@ curl -sSf "$url/admin/v1/runs/$run_id/versions/0/checkpoint" -H "$auth" -o "/tmp
 tar tf "/tmp/$run_id-v0.tar" | sed -n 1,3p  # sed reads it all: head could end tar with SIGPIPE
 rm -f "/tmp/$run_id-v0.tar"
 
-curl -sSf "$url/metrics" | grep "^rlgate_episodes{run_id=\"$run_id\""
+curl -sSf "$url/metrics" -H "$auth" | grep "^rlgate_completions_total{run_id=\"$run_id\""
 
 # delete refuses an active run (409); stop it first
 curl -sS -o /dev/null -w "delete active: %{http_code}\n" -X DELETE "$url/admin/v1/runs/$run_id" -H "$auth"

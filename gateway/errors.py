@@ -155,6 +155,17 @@ def backend_failure(exc: BackendError) -> APIError:
     )
 
 
+def database_failure(exc: DBAPIError) -> APIError | None:
+    """The one mapping of a database error to HTTP: unreachable (restart, network cut) is a
+    retryable 503; None for anything else, which is a bug."""
+    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+        logger.warning("database unavailable: %s", exc.orig)
+        return Unavailable(
+            "the database is unavailable; retry the request", code="database_unavailable"
+        )
+    return None
+
+
 def is_anthropic_path(path: str) -> bool:
     """Anthropic's endpoints answer errors in Anthropic's shape (also under episode prefixes)."""
     return "/v1/messages" in path
@@ -207,16 +218,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
-        # The database unreachable (restart, network cut) is retryable, not a bug.
-        if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
-            logger.warning("database unavailable: %s", exc.orig)
-            return error_response(
-                Unavailable(
-                    "the database is unavailable; retry the request", code="database_unavailable"
-                ),
-                request.url.path,
-            )
-        return await _bug(request, exc)
+        err = database_failure(exc)
+        if err is None:
+            return await _bug(request, exc)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sqlalchemy.exc import DBAPIError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError, AuthenticationFailed, error_response
+from gateway.errors import APIError, AuthenticationFailed, database_failure, error_response
 from gateway.keys import display_prefix, hash_key
 from gateway.store.keys import run_for_key_hash
 from gateway.store.models import Run
@@ -150,6 +151,12 @@ class AgentKeyCheck:
             await authenticated_run(scope["app"].state, scope)
         except AuthenticationFailed as exc:
             await _refuse(exc, scope, receive, send)
+            return
+        except DBAPIError as exc:  # outside the app's handlers: the funnel's mapping here
+            err = database_failure(exc)
+            if err is None:
+                raise
+            await _refuse(err, scope, receive, send)
             return
         await self.app(scope, receive, send)
 

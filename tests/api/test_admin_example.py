@@ -21,7 +21,7 @@ def test_admin_example(gateway_server) -> None:
     run_id = out.stdout.split()[1]
     assert "admin-example-2" in out.stdout  # renamed live
     assert f"{run_id}-v0/config.json" in out.stdout  # the checkpoint tar
-    assert f'rlgate_episodes{{run_id="{run_id}",status="open"}} 1.0' in out.stdout
+    assert f'rlgate_completions_total{{run_id="{run_id}"}} 1.0' in out.stdout  # /metrics
     assert "delete active: 409" in out.stdout
     assert '"deleted":true' in out.stdout
     assert gateway_server.query("SELECT COUNT(*) FROM runs WHERE id = ?", (run_id,))[0][0] == 0
