@@ -83,6 +83,15 @@ def test_a_second_junk_authorization_header_escapes_nothing(server) -> None:
     headers = [("authorization", f"Bearer {run['api_key']}"), ("authorization", "Bearer junk")]
     answers = _eight(server, "/v1/chat/completions", body, headers)
     _assert_limited(answers, refused=(401, 429))
+    assert {a.json()["error"]["code"] for a in answers} == {"conflicting_api_keys"}
+
+
+def test_a_repeated_authorization_header_is_one_key_and_metered(server) -> None:
+    run = _limited_run(server, "sameauth")
+    body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
+    bearer = f"Bearer {run['api_key']}"
+    answers = _eight(server, "/v1/chat/completions", body, [("authorization", bearer)] * 2)
+    _assert_limited(answers)
 
 
 def test_messages_are_limited(server) -> None:
