@@ -10,6 +10,8 @@ import httpx
 import pytest
 import redis
 
+from rlgate.stack import stop
+
 REDIS_URL = "redis://127.0.0.1:6379/5"
 
 
@@ -24,6 +26,19 @@ def redis_prefix() -> Iterator[str]:
     yield name
     for key in client.scan_iter(match=name + "*"):
         client.delete(key)
+
+
+def quota_gateway(launch, tmp_path_factory, name: str) -> Iterator:
+    """A real gateway with quotas on, in a fresh Redis namespace; stopped and cleaned after
+    (`launch` is the `gateway_launcher` fixture)."""
+    for prefix in redis_prefix():
+        srv = launch(
+            tmp_path_factory.mktemp(name) / "data", quota_redis_url=REDIS_URL, quota_prefix=prefix
+        )
+        try:
+            yield srv
+        finally:
+            stop(srv.proc)
 
 
 def admin(server) -> httpx.Client:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rlgate.stack import stop
 from tests.security._quota import (
-    REDIS_URL,
     admin,
     early_in_a_minute,
     key_id,
     quota,
-    redis_prefix,
+    quota_gateway,
     set_limits,
 )
 
@@ -30,17 +28,8 @@ ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
 
 @pytest.fixture(scope="module")
-def prefix():
-    yield from redis_prefix()
-
-
-@pytest.fixture(scope="module")
-def server(gateway_launcher, tmp_path_factory, prefix):
-    srv = gateway_launcher(
-        tmp_path_factory.mktemp("identity") / "data", quota_redis_url=REDIS_URL, quota_prefix=prefix
-    )
-    yield srv
-    stop(srv.proc)
+def server(gateway_launcher, tmp_path_factory):
+    yield from quota_gateway(gateway_launcher, tmp_path_factory, "identity")
 
 
 def _limited_run(server, name: str, rpm: int = 3) -> dict:

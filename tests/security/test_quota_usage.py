@@ -11,8 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rlgate.stack import stop
-from tests.security._quota import REDIS_URL, key_id, quota, redis_prefix
+from tests.security._quota import key_id, quota, quota_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -20,17 +19,8 @@ MSGS = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture(scope="module")
-def prefix():
-    yield from redis_prefix()
-
-
-@pytest.fixture(scope="module")
-def server(gateway_launcher, tmp_path_factory, prefix):
-    srv = gateway_launcher(
-        tmp_path_factory.mktemp("usage") / "data", quota_redis_url=REDIS_URL, quota_prefix=prefix
-    )
-    yield srv
-    stop(srv.proc)
+def server(gateway_launcher, tmp_path_factory):
+    yield from quota_gateway(gateway_launcher, tmp_path_factory, "usage")
 
 
 def _stored_tokens(server, run: dict) -> int:
