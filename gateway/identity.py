@@ -130,7 +130,13 @@ async def authenticated_run(state, scope: Scope) -> Run:
         return run
     ident = identity_of(scope)
     ident.required_key()
-    run = await lookup_run(state, ident.key_hash)  # type: ignore[arg-type]
+    try:
+        run = await lookup_run(state, ident.key_hash)  # type: ignore[arg-type]
+    except DBAPIError as exc:  # also raised outside the app's handlers (middleware)
+        err = database_failure(exc)
+        if err is None:
+            raise
+        raise err from exc
     if run is None:
         raise AuthenticationFailed("invalid API key", code="invalid_api_key")
     scope["state"]["run"] = run
@@ -149,14 +155,8 @@ class AgentKeyCheck:
             return
         try:
             await authenticated_run(scope["app"].state, scope)
-        except AuthenticationFailed as exc:
+        except APIError as exc:  # a wrong key's 401, the database's 503
             await _refuse(exc, scope, receive, send)
-            return
-        except DBAPIError as exc:  # outside the app's handlers: the funnel's mapping here
-            err = database_failure(exc)
-            if err is None:
-                raise
-            await _refuse(err, scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import AuthenticationFailed, RateLimited, error_response
+from gateway.errors import APIError, RateLimited, error_response
 from gateway.identity import authenticated_run, identity_of
 from gateway.services.capture import StoredTokens, stored_tokens
 
@@ -208,7 +208,7 @@ class QuotaMiddleware:
         ident = identity_of(scope)
         try:
             await authenticated_run(scope["app"].state, scope)
-        except AuthenticationFailed:  # no key, or not a run's: the route answers 401
+        except APIError:  # no key, not a run's, the database away: the route answers
             await self.app(scope, receive, send)
             return
         key_hash = ident.key_hash
