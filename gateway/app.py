@@ -11,14 +11,35 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.auth_cache import InvalidateOnAdminWrite, RunKeyCache
+from core.settings import Settings
+from core.store.db import make_async_engine, make_call_engine
+from core.store.migrate import upgrade
+from gateway.admin.key_quotas import KeyQuotaAdmin
+from gateway.admin.keys import KeyService
+from gateway.admin.runs import RunService
+from gateway.admin.state import close_admin_services, install_admin_services
+from gateway.agent.capture import CaptureWriter
+from gateway.agent.completions import ChatService
+from gateway.agent.rewards import RewardService
+from gateway.agent.run_status import RunStatusService
+from gateway.control.admission import Admission
+from gateway.control.backends import BackendPool
+from gateway.control.leader import LeaderCollector, make_leader
+from gateway.control.multiprocess import RemoteOnlyPool, RemoteOnlyRuns
+from gateway.control.run_replicas import ReplicaService
+from gateway.control.swap_barrier import make_swap_barrier
+from gateway.control.table_stats import TableStats
+from gateway.control.training import TrainingScheduler, WeightSync
 from gateway.dashboard.routes import install_dashboard
 from gateway.errors import install_error_handlers
 from gateway.gc_tuning import tune_for_serving
-from gateway.identity import AgentKeyCheck, IdentityMiddleware
 from gateway.metrics import GatewayMetrics, PrometheusMiddleware, multiprocess_dir
 from gateway.metrics import router as prometheus_router
-from gateway.middleware import BodyLimit
+from gateway.middleware.auth_cache import InvalidateOnAdminWrite, RunKeyCache
+from gateway.middleware.body_limit import BodyLimit
+from gateway.middleware.identity import AgentKeyCheck, IdentityMiddleware
+from gateway.middleware.overload import OverloadCollector, OverloadGuard, OverloadMiddleware
+from gateway.middleware.quotas import QuotaMiddleware
 from gateway.openapi_errors import install_error_responses
 from gateway.routes import (
     chat,
@@ -37,27 +58,6 @@ from gateway.routes import (
     run_status,
     runs,
 )
-from gateway.services.admin_state import close_admin_services, install_admin_services
-from gateway.services.admission import Admission
-from gateway.services.backends import BackendPool
-from gateway.services.capture import CaptureWriter
-from gateway.services.completions import ChatService
-from gateway.services.key_quotas import KeyQuotaAdmin
-from gateway.services.keys import KeyService
-from gateway.services.leader import LeaderCollector, make_leader
-from gateway.services.multiprocess import RemoteOnlyPool, RemoteOnlyRuns
-from gateway.services.overload import OverloadCollector, OverloadGuard, OverloadMiddleware
-from gateway.services.quotas import QuotaMiddleware
-from gateway.services.rewards import RewardService
-from gateway.services.run_replicas import ReplicaService
-from gateway.services.run_status import RunStatusService
-from gateway.services.runs import RunService
-from gateway.services.swap_barrier import make_swap_barrier
-from gateway.services.table_stats import TableStats
-from gateway.services.training import TrainingScheduler, WeightSync
-from gateway.store.db import make_async_engine, make_call_engine
-from gateway.store.migrate import upgrade
-from rlgate.settings import Settings
 from trainer.celery_app import make_celery
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def create_app(settings: Settings, *, migrate: bool = True, tune_gc: bool = Fals
         app.state.pool = pool
         # On PostgreSQL the statements every agent call runs (its placement reads and the
         # group commit) have a pool of their own, in autocommit, run straight on psycopg
-        # (`gateway.store.pg_driver`). The group commit's commits do not wait for the WAL
+        # (`core.store.pg_driver`). The group commit's commits do not wait for the WAL
         # flush unless `capture_synchronous_commit` (the flush was most of the latency
         # rlgate added to a call: docs/deployment.md, "Durability of captures").
         call_engine = make_call_engine(

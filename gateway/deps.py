@@ -7,13 +7,13 @@ from typing import Annotated, Protocol
 
 from fastapi import Depends, Path, Request
 
+from core.store.models import Run
+from gateway.agent.episodes import EpisodeRef
 from gateway.dashboard.auth import LoginRequired, Session, active_session, require_session
 from gateway.errors import AuthenticationFailed, NotFound
 from gateway.identifiers import id_from_header
-from gateway.identity import authenticated_run, identity_of
 from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
-from gateway.services.episodes import EpisodeRef
-from gateway.store.models import Run
+from gateway.middleware.identity import authenticated_run, identity_of
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class AgentRequest(Protocol):
 
 
 def _bearer(request: Request) -> str:
-    """The caller's key, from its one identity (`gateway.identity`: Bearer or `x-api-key`)."""
+    """The caller's key, from its one identity (`middleware.identity`: Bearer or `x-api-key`)."""
     return identity_of(request.scope).required_key()
 
 

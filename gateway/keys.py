@@ -1,7 +1,7 @@
 """Agent API keys: random, shown once, stored as a SHA-256 hash, looked up by hash.
 
 Also the admin credential's two checks: the key itself, compared in constant time,
-and where it may come from. The development key (`rlgate.settings.DEV_ADMIN_KEY`) is
+and where it may come from. The development key (`core.settings.DEV_ADMIN_KEY`) is
 published in the docs, so it opens the admin API only to a loopback peer; the check
 is per request, on the peer address, because an app factory (`uvicorn --factory`)
 cannot know the address it is bound to. uvicorn takes the peer from
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from rlgate.settings import DEV_ADMIN_KEY, is_loopback
+from core.settings import DEV_ADMIN_KEY, is_loopback
 
 KEY_PREFIX = "rlg-"
 DEV_KEY_OFF_LOOPBACK = (

@@ -41,9 +41,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.store.models import Completion
 from gateway.deps import require_admin
 from gateway.errors import AuthenticationFailed
-from gateway.store.models import Completion
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # prometheus_client's own switch (read when it is imported), set by `rlgate.serve`

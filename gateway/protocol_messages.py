@@ -3,7 +3,7 @@
 Names and field order mirror Anthropic's; rlgate's extensions sit in fenced
 blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
 (extra="allow") and logged by the router. Content blocks stay plain dicts
-here: `gateway.services.messages` reads them one by one, so that an error
+here: `gateway.agent.messages` reads them one by one, so that an error
 names the block (`messages[1].content[0]`) plainly.
 """
 

@@ -10,7 +10,7 @@ any of it is done, with the API family's 400 naming the field (`param`).
 The defaults follow OpenAI's published limits where it has them, and are wide
 enough that no ordinary request meets them. `max_tokens` has no cap of its own:
 the prompt plus `max_tokens` must fit the model's context, checked once the
-prompt is rendered (`gateway.services.completions.sampling_params`).
+prompt is rendered (`gateway.agent.completions.sampling_params`).
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class HttpBackend(abc.ABC):
         flight (`what` names the reason in the drain's log), until the block exits.
 
         For a swap that several clients of one server must agree on
-        (`gateway.services.swap_barrier`): inside, `reload_quiesced` reloads the server
+        (`gateway.control.swap_barrier`): inside, `reload_quiesced` reloads the server
         and `set_version` adopts a version that another client had it load.
         """
         async with self._swap_lock:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from core.lifeline import TetheredProcess
 from inference import registry
-from rlgate.lifeline import TetheredProcess
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def start_server(cfg: ServerConfig, log: Path | None = None) -> subprocess.Popen
     """Start the server in a session of its own, so `stop_server` also ends its workers.
 
     The server runs another interpreter, so it cannot watch rlgate itself: it is tethered
-    from outside (`rlgate.lifeline.TetheredProcess`), and its whole process group gets
+    from outside (`core.lifeline.TetheredProcess`), and its whole process group gets
     SIGTERM when this process dies, even by SIGKILL, and SIGKILL `stop_timeout_s` later.
     """
     if not cfg.python.exists():

@@ -1,9 +1,9 @@
-"""Alembic environment: runs migrations on the URL given by `gateway.store.migrate`."""
+"""Alembic environment: runs migrations on the URL given by `core.store.migrate`."""
 
 from alembic import context
 
-from gateway.store.db import make_sync_engine
-from gateway.store.models import Base
+from core.store.db import make_sync_engine
+from core.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -17,7 +17,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     given = config.attributes.get("connection")
-    if given is not None:  # gateway.store.migrate: the connection holding the migration lock
+    if given is not None:  # core.store.migrate: the connection holding the migration lock
         context.configure(connection=given, target_metadata=target_metadata)
         with context.begin_transaction():
             context.run_migrations()

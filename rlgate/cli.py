@@ -11,8 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
+from core.settings import Settings
 from inference import registry
-from rlgate.settings import Settings
 
 NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "nproc_per_node")
 
@@ -81,7 +81,7 @@ def _worker(args: argparse.Namespace) -> int:
 def _runs_create(args: argparse.Namespace) -> int:
     import httpx
 
-    from rlgate.settings import DEV_ADMIN_KEY
+    from core.settings import DEV_ADMIN_KEY
 
     url = os.environ.get("RLGATE_URL", "http://127.0.0.1:8000").rstrip("/")
     admin_key = os.environ.get("RLGATE_ADMIN_KEY") or DEV_ADMIN_KEY
@@ -125,14 +125,14 @@ def _export(args: argparse.Namespace) -> int:
 LORA_DEMO_LEARNING_RATE = 2e-4
 
 BENCHES = {
-    "train": ("rlgate.bench_train", "packed vs padded training tokens/s"),
-    "capture": ("rlgate.bench_capture", "completions/s persisted: group commit vs one each"),
-    "gateway": ("rlgate.bench_gateway", "latency and req/s: stub vs rlgate vs LiteLLM proxy"),
-    "e2e": ("rlgate.bench_e2e", "trained samples/s: max_staleness 0 vs 1 and 2"),
-    "swap": ("rlgate.bench_swap", "vLLM hot-swap seconds vs a server restart"),
-    "learn": ("rlgate.bench_learn", "held-out reward from one sample budget: rlgate vs TRL"),
-    "tenants": ("rlgate.bench_tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
-    "served": ("rlgate.bench_served", "last reward to new version served: fsdp vs local engine"),
+    "train": ("rlgate.bench.train", "packed vs padded training tokens/s"),
+    "capture": ("rlgate.bench.capture", "completions/s persisted: group commit vs one each"),
+    "gateway": ("rlgate.bench.gateway", "latency and req/s: stub vs rlgate vs LiteLLM proxy"),
+    "e2e": ("rlgate.bench.e2e", "trained samples/s: max_staleness 0 vs 1 and 2"),
+    "swap": ("rlgate.bench.swap", "vLLM hot-swap seconds vs a server restart"),
+    "learn": ("rlgate.bench.learn", "held-out reward from one sample budget: rlgate vs TRL"),
+    "tenants": ("rlgate.bench.tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
+    "served": ("rlgate.bench.served", "last reward to new version served: fsdp vs local engine"),
 }
 
 

@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import openai
 
-from gateway.store.status import StepStatus
+from core.settings import Settings, available_cores
+from core.store.status import StepStatus
 from rlgate.demo_task import make_problem, score
-from rlgate.settings import Settings, available_cores
 from rlgate.stack import embedded_stack
 
 logger = logging.getLogger(__name__)

@@ -21,14 +21,14 @@ from urllib.parse import quote
 
 import httpx
 
-from gateway.store.checkpoints import fsync_dir, fsync_tree
+from core.store.checkpoints import fsync_dir, fsync_tree
 
 TIMEOUT = httpx.Timeout(30.0, read=600.0)  # a large Parquet export is built before it is sent
 
 
 def run_export(args: argparse.Namespace) -> int:
     """The `rlgate export` command: gateway and admin key from the environment, like `runs`."""
-    from rlgate.settings import DEV_ADMIN_KEY
+    from core.settings import DEV_ADMIN_KEY
 
     url = os.environ.get("RLGATE_URL", "http://127.0.0.1:8000")
     admin_key = os.environ.get("RLGATE_ADMIN_KEY") or DEV_ADMIN_KEY

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from core.settings import DEV_ADMIN_KEY, Settings
 from inference import registry
 from inference.launch import (
     LORA_RANKS,
@@ -23,7 +24,6 @@ from inference.launch import (
     wait_ready,
 )
 from rlgate.cli_args import positive_int
-from rlgate.settings import DEV_ADMIN_KEY, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ The word window of the partial credit (10 words) fits replies cut at 16
 tokens, unlike the demo's task (`rlgate/demo_task.py`, 16 words at 24 tokens).
 
 This module imports only the standard library and the demo's `Problem`:
-`rlgate/bench_learn_trl.py`, which runs in TRL's own virtual environment,
+`rlgate/bench/learn_trl.py`, which runs in TRL's own virtual environment,
 imports it from rlgate's folder without the rest of rlgate, so both sides
 score with this very code.
 """

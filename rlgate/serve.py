@@ -11,11 +11,11 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
+from core.lifeline import PARENT_ENV, die_with_parent
+from core.settings import Settings
+from core.store.migrate import upgrade
 from gateway.app import create_app
 from gateway.metrics import MULTIPROC_ENV
-from gateway.store.migrate import upgrade
-from rlgate.lifeline import PARENT_ENV, die_with_parent
-from rlgate.settings import Settings
 from rlgate.stack import settings_env
 
 LOG_FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
@@ -32,7 +32,7 @@ def serve(settings: Settings, host: str, port: int, workers: int = 1) -> None:
     `workers > 1`: that many gateway processes share the port (uvicorn's
     supervisor, which restarts one that dies) and the store, which must be
     PostgreSQL; the migrations run once, here, before any of them starts. Each
-    process dies with this one, however this one ends (`rlgate.lifeline`).
+    process dies with this one, however this one ends (`core.lifeline`).
 
     Raises ValueError, before anything listens, when the admin credential does not fit
     the bind (the development key off loopback), or `workers > 1` on SQLite.

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.lifeline import child_env
+from core.settings import Settings
 from inference.launch import wait_ready
-from rlgate.lifeline import child_env
-from rlgate.settings import Settings
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
+from core.settings import Settings
 from inference.models import resolve_model
-from rlgate.settings import Settings
 from rlgate.stack import start_gateway, stop, wait_healthy
 
 ADMIN_KEY = "test-admin-key-not-the-dev-one"

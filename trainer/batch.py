@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from sqlalchemy.orm import Session
 
-from gateway.store.completions import episode_completions_sync
-from gateway.store.episodes import step_episodes_sync
-from gateway.store.models import Completion
-from gateway.store.rewards import latest_episode_reward_sync
+from core.store.completions import episode_completions_sync
+from core.store.episodes import step_episodes_sync
+from core.store.models import Completion
+from core.store.rewards import latest_episode_reward_sync
 from trainer.advantages import group_advantage
 from trainer.config import RunConfig
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.store.checkpoints import fsync_dir, fsync_tree
+from core.store.checkpoints import fsync_dir, fsync_tree
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -24,7 +24,7 @@ def publish_checkpoint(tmp: Path, out_dir: Path, tokenizer_dir: Path) -> None:
 
     Every engine writes its checkpoint to `tmp` first, so a reader never sees half of one.
     `out_dir` must not exist: each step attempt writes its own directory
-    (`gateway.store.checkpoints`), so a directory that is there may already be committed,
+    (`core.store.checkpoints`), so a directory that is there may already be committed,
     and replacing it could leave a committed version without its files.
     """
     tmp, out_dir, tokenizer_dir = Path(tmp), Path(out_dir), Path(tokenizer_dir)

@@ -5,7 +5,7 @@ resident group is `trainer.resident`, which shares `torchrun_command`,
 `rank_tails` and `kill_group` from here). A Celery prefork child cannot fork
 multiprocessing children, so the worker starts `python -m
 torch.distributed.run` with fork+exec instead. torchrun is tethered to this
-process (`rlgate.lifeline.TetheredProcess`) and each rank to torchrun, so a
+process (`core.lifeline.TetheredProcess`) and each rank to torchrun, so a
 killed worker leaves no rank behind. The hand-off is through files in a
 scratch directory:
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rlgate.lifeline import TetheredProcess
+from core.lifeline import TetheredProcess
 from trainer.batch import Sample
 from trainer.lora import ADAPTER_CONFIG
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlgate.lifeline import TetheredProcess
+from core.lifeline import TetheredProcess
 from trainer import resident_protocol as proto
 from trainer.batch import Sample
 from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples

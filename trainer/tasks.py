@@ -4,7 +4,7 @@ Idempotent by (run, step): a step already done returns at once, and the
 version bump is a conditional update (`current_version == step`), so a
 retried or duplicated task can never advance the run twice. Each attempt
 writes its checkpoint and AdamW state under names of its own
-(`gateway.store.checkpoints`), fsyncs them, and the bump records them: two
+(`core.store.checkpoints`), fsyncs them, and the bump records them: two
 live attempts of one step (a resend after `step_timeout_s`, a redelivery)
 never write into the same directory, and the one that loses the bump removes
 what it wrote, leaving the committed version untouched. A torchrun engine
@@ -31,7 +31,8 @@ from celery.signals import worker_shutdown
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.store.checkpoints import (
+from core.settings import Settings
+from core.store.checkpoints import (
     attempt_dir,
     fsync_tree,
     garbage,
@@ -39,13 +40,12 @@ from gateway.store.checkpoints import (
     optimizer_dir,
     run_dir,
 )
-from gateway.store.db import make_sync_engine
-from gateway.store.episodes import mark_step_trained_sync, release_step_episodes_sync
-from gateway.store.models import PolicyVersion, Run, TrainStep
-from gateway.store.runs import advance_version_sync, lock_run_sync, policy_versions_sync
-from gateway.store.status import StepStatus
+from core.store.db import make_sync_engine
+from core.store.episodes import mark_step_trained_sync, release_step_episodes_sync
+from core.store.models import PolicyVersion, Run, TrainStep
+from core.store.runs import advance_version_sync, lock_run_sync, policy_versions_sync
+from core.store.status import StepStatus
 from inference.weight_sync import offer_path, saved
-from rlgate.settings import Settings
 from trainer.batch import Sample, load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
@@ -386,7 +386,7 @@ class Trainer:
         the offers of every version but the newest, and what lost or killed attempts left.
 
         Only recorded paths are removed (and the attempt files no version records, which
-        can never be committed: `gateway.store.checkpoints.garbage`)."""
+        can never be committed: `core.store.checkpoints.garbage`)."""
         with self.sessions() as s:
             versions = [pv for pv in policy_versions_sync(s, run_id) if 0 < pv.version <= newest]
         paths = {pv.version: Path(pv.checkpoint_path) for pv in versions}

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.settings import is_loopback
 from inference.weight_wire.rlgate_weight_wire import (
     Packed,
     Rendezvous,
@@ -61,7 +62,6 @@ from inference.weight_wire.rlgate_weight_wire import (
     send_weights,
     tensor_list,
 )
-from rlgate.settings import is_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -149,7 +149,7 @@ def newest_saved(session: Any, run_id: str, version: int) -> Any:
     """
     from sqlalchemy import select
 
-    from gateway.store.models import PolicyVersion
+    from core.store.models import PolicyVersion
 
     stmt = (
         select(PolicyVersion)

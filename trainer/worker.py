@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from rlgate.lifeline import die_with_parent
-from rlgate.settings import Settings
+from core.lifeline import die_with_parent
+from core.settings import Settings
 from trainer.celery_app import make_celery
 from trainer.tasks import register_tasks
 

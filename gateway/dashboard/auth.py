@@ -3,7 +3,7 @@
 The cookie holds `{"sid", "exp", "csrf"}` signed with HMAC-SHA256 under a
 key derived from the admin credential, so every gateway process sharing that
 credential accepts it, and rotating the credential logs every session out.
-Logging out records the session id in the store (`gateway.store.sessions`),
+Logging out records the session id in the store (`core.store.sessions`),
 so the cookie, replayed afterwards, is refused by every process. It is
 HttpOnly (scripts cannot read it), SameSite=Strict (other sites cannot make
 the browser send it) and Secure when the request came over https or the
@@ -26,9 +26,9 @@ from urllib.parse import parse_qs
 
 from fastapi import Request
 
+from core.store.sessions import is_revoked, revoke
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.keys import dev_key_refused
-from gateway.store.sessions import is_revoked, revoke
 
 SESSION_COOKIE = "rlgate_session"
 LOGIN_CSRF_COOKIE = "rlgate_login_csrf"

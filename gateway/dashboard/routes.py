@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from core.store.status import EpisodeStatus
 from gateway.dashboard.analysis import RUN_CHARTS, episode_filters, install_analysis
 from gateway.dashboard.auth import (
     LOGIN_CSRF_COOKIE,
@@ -35,7 +36,6 @@ from gateway.deps import AgentBaseUrlDep, FeedSessionDep, PageSessionDep
 from gateway.errors import APIError
 from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
 from gateway.protocol import RunCreate
-from gateway.store.status import EpisodeStatus
 
 PREFIX = "/dashboard"
 SECURITY_HEADERS = {

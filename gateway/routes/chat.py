@@ -5,15 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.agent_route import AgentRoute
+from gateway.agent.route import AgentRoute
+from gateway.agent.sse import event_stream, sse
+from gateway.agent.streaming import ChatStream
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.errors import InvalidRequest
 from gateway.identifiers import header_value
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
-from gateway.services.streaming import ChatStream
-from gateway.sse import event_stream, sse
 
-router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent_route
+router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.agent_route import AgentRoute
+from gateway.agent.route import AgentRoute
+from gateway.agent.sse import event_stream, sse
+from gateway.agent.text_completions import TextCompletionService
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.identifiers import header_value
 from gateway.protocol_legacy import CompletionRequest, TextCompletion
-from gateway.services.text_completions import TextCompletionService
-from gateway.sse import event_stream, sse
 
-router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent_route
+router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
 
 
 @router.post("/v1/completions", response_model=TextCompletion)

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from core.store.status import EpisodeStatus
 from gateway.deps import AdminDep
 from gateway.protocol_admin import EpisodeDetail, EpisodePage, GroupDetail
-from gateway.store.status import EpisodeStatus
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 

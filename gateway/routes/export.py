@@ -10,16 +10,16 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from gateway.deps import AdminDep
-from gateway.scratch import ScratchStreamingResponse, remover
-from gateway.services.export import (
+from core.store.status import EpisodeStatus
+from gateway.admin.export import (
     JSONL_MEDIA_TYPE,
     PARQUET_MEDIA_TYPE,
     ExportFilter,
     ExportFormat,
     ExportService,
 )
-from gateway.store.status import EpisodeStatus
+from gateway.deps import AdminDep
+from gateway.scratch import ScratchStreamingResponse, remover
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 

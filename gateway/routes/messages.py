@@ -11,7 +11,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.agent_route import AgentRoute
+from gateway.agent.messages import MessagesService
+from gateway.agent.route import AgentRoute
+from gateway.agent.sse import event_stream, sse_events
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.identifiers import header_value
 from gateway.protocol_messages import (
@@ -20,10 +22,8 @@ from gateway.protocol_messages import (
     MessagesRequest,
     TokenCount,
 )
-from gateway.services.messages import MessagesService
-from gateway.sse import event_stream, sse_events
 
-router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent_route
+router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
 
 
 async def messages_service(request: Request) -> MessagesService:

@@ -7,14 +7,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.agent_route import AgentRoute
+from gateway.agent.responses import ResponsesService
+from gateway.agent.route import AgentRoute
+from gateway.agent.sse import event_stream, sse_events
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.identifiers import header_value
 from gateway.protocol_responses import ResponsesRequest, ResponsesResponse
-from gateway.services.responses import ResponsesService
-from gateway.sse import event_stream, sse_events
 
-router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent_route
+router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
 
 
 async def responses_service(request: Request) -> ResponsesService:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from core.store.status import EpisodeStatus
 from gateway.deps import RunDep
 from gateway.errors import InvalidRequest
 from gateway.protocol import RewardAck, RewardRequest
-from gateway.store.status import EpisodeStatus
 
 router = APIRouter()
 

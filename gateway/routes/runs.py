@@ -3,7 +3,7 @@
 Pause, resume and stop: a paused or stopped run answers new agent calls with 429
 (`Retry-After`); requests already generating finish and are stored; no new
 train step is scheduled for it (a step already queued or running completes).
-See `gateway.services.admin_runs` for what delete does to in-flight work and
+See `gateway.admin.run_ops` for what delete does to in-flight work and
 why rollback creates a new version instead of rewinding.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
+from gateway.admin.run_ops import tar_stream
 from gateway.deps import AdminDep, AgentBaseUrlDep
 from gateway.protocol import RunCreate, RunCreated, RunPublic, RunStatusChange, TrainStepPublic
 from gateway.protocol_admin import PolicyVersionPublic, RollbackResult, RunDeleted, RunUpdate
 from gateway.scratch import ScratchStreamingResponse, remover
-from gateway.services.admin_runs import tar_stream
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
 

@@ -1,7 +1,7 @@
 """Each version records the AdamW state of the step attempt that wrote it.
 
 A version's checkpoint path already names that attempt's own directory
-(gateway/store/checkpoints.py); the optimizer state gets the same, so a losing
+(core/store/checkpoints.py); the optimizer state gets the same, so a losing
 attempt's moments never replace the committed ones. Null: recorded before this
 revision, read from the old fixed layout.
 

@@ -1,4 +1,4 @@
-"""Dashboard sessions revoked by a logout (gateway/store/sessions.py).
+"""Dashboard sessions revoked by a logout (core/store/sessions.py).
 
 Revision ID: 0008
 Revises: 0007

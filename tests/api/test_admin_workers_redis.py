@@ -12,9 +12,9 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.admin_workers import WorkerAdmin
-from gateway.store.db import make_async_engine
-from gateway.store.migrate import upgrade
+from core.store.db import make_async_engine
+from core.store.migrate import upgrade
+from gateway.admin.workers import WorkerAdmin
 from trainer.celery_app import make_celery
 from trainer.config import QueueConfig
 from trainer.submit import submit_train_step

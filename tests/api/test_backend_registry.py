@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 
+from core.settings import Settings
 from gateway.app import create_app
 from gateway.protocol import RunCreate
 from inference import registry
@@ -29,7 +30,6 @@ from inference.launch import ServerConfig, running_server, server_command
 from inference.registry import BackendKind
 from inference.stub_server import StubConfig, StubState, flavor_of
 from rlgate.cli import build_parser
-from rlgate.settings import Settings
 from rlgate.stack import free_port
 from tests.conftest import ADMIN_KEY, gateway_settings, serving_in_thread
 

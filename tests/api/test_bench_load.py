@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from inference.stub_server import StubConfig, create_app, launch
-from rlgate.bench_load import load
+from rlgate.bench.load import load
 from rlgate.stack import free_port, stop, wait_healthy
 
 LOADERS = ["python", pytest.param("wrk", marks=pytest.mark.wrk)]

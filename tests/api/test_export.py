@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.export import PARQUET_SCHEMA, ExportFilter, ExportService
-from gateway.store.db import make_async_engine
+from core.store.db import make_async_engine
+from gateway.admin.export import PARQUET_SCHEMA, ExportFilter, ExportService
 
 if TYPE_CHECKING:
     from tests.conftest import GatewayServer

@@ -17,7 +17,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 
-from gateway.services.export import PARQUET_SCHEMA
+from gateway.admin.export import PARQUET_SCHEMA
 from inference.chat_template import ChatTemplate
 
 if TYPE_CHECKING:

@@ -74,10 +74,10 @@ async def test_prewarm_goes_on_past_a_run_it_cannot_prepare(tmp_path: Path) -> N
     # is a stand-in that records what it is asked (loading is what the test above checks).
     from sqlalchemy.ext.asyncio import async_sessionmaker
 
-    from gateway.services.completions import ChatService
-    from gateway.store.db import make_async_engine
-    from gateway.store.migrate import upgrade
-    from gateway.store.models import Run
+    from core.store.db import make_async_engine
+    from core.store.migrate import upgrade
+    from core.store.models import Run
+    from gateway.agent.completions import ChatService
 
     url = f"sqlite:///{tmp_path / 'p.db'}"
     await asyncio.to_thread(upgrade, url)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import embedded_stack
 
 ADMIN_KEY = "browser-test-admin-key"

@@ -32,7 +32,7 @@ ADMIN = "orphan-admin"
 PARENT = """
 import sys
 from pathlib import Path
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import start_gateway
 data, cache, port = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 settings = Settings(data_dir=data, admin_key="orphan-admin", dev_mode=False,

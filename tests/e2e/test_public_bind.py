@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from rlgate.settings import DEV_ADMIN_KEY, Settings, is_loopback
+from core.settings import DEV_ADMIN_KEY, Settings, is_loopback
 from rlgate.stack import free_port
 
 

@@ -5,7 +5,7 @@
 test commits versions 1 and 2. The stand-in's tokens are a function of the
 prompt and of the weights it has loaded (its reload count), so every stored
 completion says which weights sampled it: its `policy_version` must be that
-one. Without the swap barrier (gateway/services/swap_barrier.py) each process
+one. Without the swap barrier (gateway/control/swap_barrier.py) each process
 reloads the server itself: it is reloaded twice per version, and a process
 that has not swapped yet labels the new weights' tokens with the old version.
 """
@@ -20,7 +20,7 @@ import httpx
 import psycopg
 import pytest
 
-from gateway.store.types import IntArray
+from core.store.types import IntArray
 from inference.stub_server import StubConfig, StubState
 from rlgate.stack import free_port, stop, wait_healthy
 from tests.e2e.test_up_workers import (  # noqa: F401  (fixtures)

@@ -19,7 +19,7 @@ import httpx
 import psycopg
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import free_port, start_gateway, stop, wait_healthy
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 import redis
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import stack_processes
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -46,7 +46,7 @@ def fresh_database() -> Iterator[str]:
 def migrated_store(kind: str, directory: Path) -> Iterator[str]:
     """A migrated, empty store (its URL): a fresh PostgreSQL database ("postgresql...") or a
     SQLite file in `directory` ("sqlite")."""
-    from gateway.store.migrate import upgrade
+    from core.store.migrate import upgrade
 
     if kind == "sqlite":
         url = f"sqlite:///{directory / 'store.db'}"

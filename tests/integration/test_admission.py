@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from tests.integration.conftest import Stack, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

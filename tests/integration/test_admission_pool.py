@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-from gateway.services.admission import Admission
-from gateway.store.db import normalize_url
-from gateway.store.migrate import upgrade
-from gateway.store.models import Episode, Run
+from core.store.db import normalize_url
+from core.store.migrate import upgrade
+from core.store.models import Episode, Run
+from gateway.control.admission import Admission
 from trainer.config import RunConfig
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlgate.bench_gateway import bench_gateway
+from rlgate.bench.gateway import bench_gateway
 
 from .conftest import PG_ADMIN
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
+from core.settings import Settings
 from gateway.app import create_app
-from rlgate.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ SQLite alike.
 Real PostgreSQL (a fresh database per test) and a SQLite file. A batch reads
 nothing before it writes: episodes go in with ON CONFLICT DO NOTHING, and a
 rewarded episode given a new turn is reopened by one UPDATE, so on PostgreSQL
-a batch is one round trip (`gateway.store.capture_pg`): a small batch one
+a batch is one round trip (`core.store.capture_pg`): a small batch one
 statement, a larger one a pipeline. Every PostgreSQL test runs with each form
 for every batch size.
 """
@@ -19,12 +19,12 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.capture import CaptureWriter
-from gateway.store import capture_pg
-from gateway.store.db import make_async_engine, make_call_engine
-from gateway.store.models import Completion, Episode, Reward, Run
-from gateway.store.status import EpisodeStatus
-from rlgate.bench_capture import synthetic_row
+from core.store import capture_pg
+from core.store.db import make_async_engine, make_call_engine
+from core.store.models import Completion, Episode, Reward, Run
+from core.store.status import EpisodeStatus
+from gateway.agent.capture import CaptureWriter
+from rlgate.bench.capture import synthetic_row
 from tests.integration.conftest import migrated_store
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,7 @@
-"""The placement's reads (`gateway.store.lineage`) on PostgreSQL and SQLite alike.
+"""The placement's reads (`core.store.lineage`) on PostgreSQL and SQLite alike.
 
 Real PostgreSQL (a fresh database per test; there the reads run straight on
-psycopg, `gateway.store.lineage_pg`) and a SQLite file (through ORM sessions).
+psycopg, `core.store.lineage_pg`) and a SQLite file (through ORM sessions).
 The parent lookup: the longest matching prefix wins, then the newest, and past
 `CANDIDATES` rows the hashes are looked up one at a time with the same answer.
 The ancestry: one recursive query, nearest first, bounded. A completion read
@@ -20,13 +20,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.capture import is_outage
-from gateway.store import completions as store
-from gateway.store import lineage_pg
-from gateway.store.db import make_async_engine, make_call_engine
-from gateway.store.lineage import Lineage
-from gateway.store.migrate import upgrade
-from gateway.store.models import Completion, Episode, Run
+from core.store import completions as store
+from core.store import lineage_pg
+from core.store.db import make_async_engine, make_call_engine
+from core.store.lineage import Lineage
+from core.store.migrate import upgrade
+from core.store.models import Completion, Episode, Run
+from gateway.agent.capture import is_outage
 from tests.integration.conftest import migrated_store
 
 pytestmark = pytest.mark.integration

@@ -31,7 +31,7 @@ import openai
 import pytest
 import torch
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from tests.integration.lora_agents import (
     CONFIG,
     GREEDY_TOKENS,

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
 from tests.integration.conftest import Stack
 from tests.integration.test_rl_loop import _play_two_groups, _wait_served

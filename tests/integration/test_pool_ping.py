@@ -1,4 +1,4 @@
-"""The gateway's pool pings a connection only after it idled (`gateway.store.db`).
+"""The gateway's pool pings a connection only after it idled (`core.store.db`).
 
 Real PostgreSQL. A connection used a moment ago goes out unchecked (a ping per
 checkout was one of the two round trips of a chat call's placement read); one
@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from gateway.store.db import make_async_engine
+from core.store.db import make_async_engine
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """Resident FSDP ranks through the worker's own `Trainer` (real torchrun ranks, gloo, tiny model).
 
-The store is a SQLite file seeded with queued steps (`rlgate.bench_train_step.seed_store`,
+The store is a SQLite file seeded with queued steps (`rlgate.bench.train_step.seed_store`,
 the bench's), and `Trainer.train_step` is what the Celery task calls. Each test looks at
 the rank processes themselves (/proc), not only at what the trainer says about them.
 """
@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 from sqlalchemy.orm import Session
 
-from gateway.store.models import PolicyVersion, Run, TrainStep
-from gateway.store.status import StepStatus
-from rlgate.bench_train_step import StepShape, seed_store
-from rlgate.settings import Settings
+from core.settings import Settings
+from core.store.models import PolicyVersion, Run, TrainStep
+from core.store.status import StepStatus
+from rlgate.bench.train_step import StepShape, seed_store
 from tests.procs import alive
 from trainer.config import RunConfig
 from trainer.tasks import Trainer
@@ -74,8 +74,8 @@ def _gone(pids: list[int], timeout_s: float = 60) -> bool:
 
 def _requeue(trainer: Trainer, run_id: str, step: int) -> None:
     """What the gateway's scheduler does with a failed step: queue it again, same episodes."""
-    from gateway.store.models import Episode
-    from gateway.store.status import EpisodeStatus
+    from core.store.models import Episode
+    from core.store.status import EpisodeStatus
 
     with trainer.sessions.begin() as s:
         row = s.get(TrainStep, (run_id, step))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gateway.store.models import Run
+from core.store.models import Run
 from inference.weight_sync import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, receive_weights
 from tests.integration.test_resident import (

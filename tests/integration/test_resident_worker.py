@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rlgate.bench_train_step import StepShape, seed_store
-from rlgate.lifeline import child_env
-from rlgate.settings import Settings
+from core.lifeline import child_env
+from core.settings import Settings
+from rlgate.bench.train_step import StepShape, seed_store
 from rlgate.stack import free_port, settings_env, start_worker, stop
 from tests.procs import alive, children_of
 from trainer.config import RunConfig
@@ -157,12 +157,12 @@ def test_two_workers_as_two_nodes_train_like_one_node(
         # one rank on each node: the group spans both workers
         assert len(_ranks(owner.pid)) == 1 and len(_ranks(joiner.pid)) == 1
         with trainer.sessions() as s:
-            from gateway.store.models import TrainStep
+            from core.store.models import TrainStep
 
             metrics = s.get(TrainStep, (two, 0)).metrics
         assert metrics["world_size"] == 2 and metrics["grad_norm"] > 0
         with trainer.sessions() as s:  # the directories the store records for v1
-            from gateway.store.models import PolicyVersion
+            from core.store.models import PolicyVersion
 
             got, want = (
                 load_file(Path(s.get(PolicyVersion, (r, 1)).checkpoint_path) / "model.safetensors")

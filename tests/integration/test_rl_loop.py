@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

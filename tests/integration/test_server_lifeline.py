@@ -1,4 +1,4 @@
-"""Inference servers that rlgate starts die with it, SIGKILL included (rlgate.lifeline).
+"""Inference servers that rlgate starts die with it, SIGKILL included (core.lifeline).
 
 The server is a stand-in started through the real launcher (`inference.launch.start_server`,
 and `rlgate inference serve` on top of it): a shell script given as the server's python. It
@@ -65,14 +65,14 @@ def wait_gone(pids: list[int], deadline_s: float = DEADLINE_S) -> list[int]:
 
 
 def watchers_of(pgid: int) -> list[int]:
-    """Live `python -m rlgate.lifeline FD PGID GRACE` processes for group `pgid`."""
+    """Live `python -m core.lifeline FD PGID GRACE` processes for group `pgid`."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rlgate.lifeline" in argv and str(pgid).encode() in argv and alive(int(entry.name)):
+        if b"core.lifeline" in argv and str(pgid).encode() in argv and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 

@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from tests.integration.conftest import running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.services.training import MAX_ATTEMPTS
-from rlgate.settings import Settings
+from core.settings import Settings
+from gateway.control.training import MAX_ATTEMPTS
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

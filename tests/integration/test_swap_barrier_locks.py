@@ -20,10 +20,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from gateway.services.swap_barrier import SWAP_CLASS, SwapBarrier
-from gateway.store.db import make_sync_engine
-from gateway.store.migrate import upgrade
-from gateway.store.models import Run, RunReplica
+from core.store.db import make_sync_engine
+from core.store.migrate import upgrade
+from core.store.models import Run, RunReplica
+from gateway.control.swap_barrier import SWAP_CLASS, SwapBarrier
 from inference import registry
 from inference.replicas import ReplicaSet
 from inference.stub_server import StubConfig, StubState, launch

@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.services.table_stats import TableStats
-from gateway.store.db import make_async_engine
-from gateway.store.migrate import upgrade
-from gateway.store.models import Episode, Run
+from core.store.db import make_async_engine
+from core.store.migrate import upgrade
+from core.store.models import Episode, Run
+from gateway.control.table_stats import TableStats
 
 pytestmark = pytest.mark.integration
 

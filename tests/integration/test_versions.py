@@ -35,7 +35,7 @@ import openai
 import pytest
 import torch
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

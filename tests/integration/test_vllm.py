@@ -27,11 +27,11 @@ import openai
 import pytest
 import torch
 
+from core.settings import Settings
 from inference.launch import ServerConfig, install_vllm, running_server
 from inference.models import resolve_model
 from inference.sampling import sampling_logprobs
 from rlgate.inference_cli import registered
-from rlgate.settings import Settings
 from rlgate.stack import free_port
 from tests.integration.conftest import Stack, running_stack
 

@@ -225,7 +225,7 @@ def gateway(
     smollm2_cache: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator:
-    from rlgate.settings import Settings
+    from core.settings import Settings
     from tests.integration.conftest import running_stack
 
     tmp = tmp_path_factory.mktemp("vllm-lora-runs")

@@ -134,7 +134,7 @@ def admin_client(server: Any) -> httpx.Client:
 
 def _child(raw: str, run_id: str, step: int, markers: Path, freeze: bool) -> None:
     import trainer.tasks as tasks
-    from rlgate.settings import Settings
+    from core.settings import Settings
 
     fields = json.loads(raw)
     settings = Settings(

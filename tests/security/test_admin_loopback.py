@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.settings import DEV_ADMIN_KEY
 from gateway.app import create_app
-from rlgate.settings import DEV_ADMIN_KEY
 from tests.conftest import gateway_settings
 
 pytestmark = pytest.mark.integration

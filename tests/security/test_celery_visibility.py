@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlgate.settings import Settings
+from core.settings import Settings
 from trainer.celery_app import make_celery
 
 

@@ -104,7 +104,7 @@ def test_a_worker_killed_mid_write_leaves_the_last_version_serving(
         model = AutoModelForCausalLM.from_pretrained(committed[0], dtype=torch.float32)
         assert model.config.vocab_size > 0
         # what the killed attempt left is garbage that the next commit sweeps, and only that
-        from gateway.store.checkpoints import garbage
+        from core.store.checkpoints import garbage
 
         root = Path(committed[0]).parent
         leftovers = garbage(root, {Path(p) for p in committed if p}, newest=1)

@@ -1,7 +1,7 @@
 """Two hosts starting together migrate a fresh PostgreSQL schema: both succeed, one schema.
 
 Each `upgrade()` runs in its own process, as two gateway hosts would
-(`gateway.store.migrate` takes a PostgreSQL advisory lock around Alembic).
+(`core.store.migrate` takes a PostgreSQL advisory lock around Alembic).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
-from gateway.store.db import make_sync_engine
-from gateway.store.migrate import alembic_config
-from gateway.store.models import Base
+from core.store.db import make_sync_engine
+from core.store.migrate import alembic_config
+from core.store.models import Base
 
 pytestmark = pytest.mark.integration
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-UPGRADE = "import sys; from gateway.store.migrate import upgrade; upgrade(sys.argv[1])"
+UPGRADE = "import sys; from core.store.migrate import upgrade; upgrade(sys.argv[1])"
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ def test_off_loopback_the_secret_is_required() -> None:
 def test_the_embedded_stack_generates_one_secret_for_its_processes(tmp_path) -> None:
     """`rlgate up` and the demo's stack: a fresh secret per start unless one is set, in the
     environment every process they start builds its Settings from."""
-    from rlgate.settings import Settings
+    from core.settings import Settings
     from rlgate.stack import settings_env, with_secrets
 
     base = Settings(data_dir=tmp_path, weight_sync_secret="")

@@ -16,8 +16,12 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import RateLimited, error_response
-from gateway.services.admission import (
+from core.store.db import make_async_engine
+from core.store.migrate import upgrade
+from core.store.models import Completion, Episode, Run
+from core.store.status import UNGROUPED, EpisodeStatus
+from gateway.agent.episodes import Placement
+from gateway.control.admission import (
     RETRY_AFTER_S,
     Admission,
     Reservations,
@@ -26,11 +30,7 @@ from gateway.services.admission import (
     group_capacity,
     units,
 )
-from gateway.services.episodes import Placement
-from gateway.store.db import make_async_engine
-from gateway.store.migrate import upgrade
-from gateway.store.models import Completion, Episode, Run
-from gateway.store.status import UNGROUPED, EpisodeStatus
+from gateway.errors import RateLimited, error_response
 from trainer.config import RunConfig
 
 RUN = "run_a"
@@ -269,7 +269,7 @@ async def test_concurrent_new_conversations_share_one_count_of_the_store(
 ) -> None:
     # Counting the store per new conversation cost three reads each under load. Callers that
     # arrive together share one count; within `poll_s` a call that fits reads nothing.
-    import gateway.services.admission as admission_module
+    import gateway.control.admission as admission_module
 
     counts = 0
     real = admission_module.unconsumed_by_group
@@ -313,7 +313,7 @@ async def test_a_named_new_conversation_that_fits_reads_nothing_per_call(
 ) -> None:
     # An agent on /episodes/<new id>/v1 used to cost a read "does this episode exist?" per
     # call; now only a call that would be held asks (a later turn is never held).
-    import gateway.services.admission as admission_module
+    import gateway.control.admission as admission_module
 
     asked = 0
     real = admission_module.stored_episode_ids
@@ -363,7 +363,7 @@ class BlockableCount:
     goes back to `Admission._count` (which read the stored reservations before it)."""
 
     def __init__(self, monkeypatch) -> None:
-        import gateway.services.admission as admission_module
+        import gateway.control.admission as admission_module
 
         self.real = admission_module.unconsumed_by_group
         self.open = asyncio.Event()

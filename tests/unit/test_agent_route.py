@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.agent_route import AgentRoute
+from gateway.agent.route import AgentRoute
 from gateway.errors import AuthenticationFailed, install_error_handlers
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from gateway.auth_cache import RunKeyCache
-from gateway.store.models import Run
+from core.store.models import Run
+from gateway.middleware.auth_cache import RunKeyCache
 
 
 def _run(name: str = "r") -> Run:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 
-from gateway.services.batch_policy import BatchConfig, Verdict, select_batch
-from gateway.store.episodes import EpisodeSnapshot
-from gateway.store.status import UNGROUPED, EpisodeStatus
+from core.store.episodes import EpisodeSnapshot
+from core.store.status import UNGROUPED, EpisodeStatus
+from gateway.control.batch_policy import BatchConfig, Verdict, select_batch
 from trainer.config import RunConfig
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlgate.bench_dirs import model_cache, work_dir
+from rlgate.bench.dirs import model_cache, work_dir
 from rlgate.cli import BENCHES, build_parser
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlgate.bench_gateway_report import figure_lines, load_line, summary, target_name
+from rlgate.bench.gateway_report import figure_lines, load_line, summary, target_name
 
 
 def level(c: int, rps: float, p50: float = 30.0, p99: float = 60.0, s429=0, s5xx=0) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlgate.bench_load import combine_rounds, measure, round_orders
+from rlgate.bench.load import combine_rounds, measure, round_orders
 
 
 def one_load(rps: float, requests: int, **extra: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlgate.bench_wrk import MARK, parse, script
+from rlgate.bench.wrk import MARK, parse, script
 
 LINE = {
     "duration_us": 6_000_000,

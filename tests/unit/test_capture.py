@@ -12,10 +12,10 @@ import random
 import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from core.store.db import make_async_engine
+from gateway.agent.capture import CaptureWriter
 from gateway.errors import Unavailable
-from gateway.services.capture import CaptureWriter
-from gateway.store.db import make_async_engine
-from rlgate.bench_capture import synthetic_row
+from rlgate.bench.capture import synthetic_row
 from rlgate.stack import free_port
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.store.checkpoints import (
+from core.store.checkpoints import (
     attempt_dir,
     fsync_tree,
     garbage,

@@ -10,11 +10,11 @@ import tarfile
 
 import pytest
 
+from core.store.models import TrainStep
+from gateway.admin.metrics import _point
+from gateway.admin.run_ops import tar_stream
 from gateway.dashboard.auth import SessionSigner
 from gateway.dashboard.routes import logprob_colour
-from gateway.services.admin_metrics import _point
-from gateway.services.admin_runs import tar_stream
-from gateway.store.models import TrainStep
 
 
 def test_session_cookie_round_trip_tamper_and_expiry() -> None:

@@ -16,7 +16,7 @@ import gc, json, sys
 from pathlib import Path
 from fastapi.testclient import TestClient
 from gateway.app import create_app
-from rlgate.settings import Settings
+from core.settings import Settings
 
 data = Path(sys.argv[1])
 settings = Settings(data_dir=data, admin_key="k" * 32, dev_mode=False)

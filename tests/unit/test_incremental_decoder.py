@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gateway.services.streaming import IncrementalDecoder
+from gateway.agent.streaming import IncrementalDecoder
 from inference.chat_template import ChatTemplate, ids_decoder
 from inference.types import truncate_at_stop
 

@@ -46,22 +46,22 @@ def offenders(folder: str, allowed) -> list[str]:
 
 
 def test_inference_imports_only_itself_and_settings() -> None:
-    # `rlgate.settings` is the one settings object (launchers read server pythons from it);
-    # `rlgate.lifeline` (stdlib only) ties the servers that launchers start to rlgate's life.
-    allowed = ("inference", "rlgate.settings", "rlgate.lifeline")
+    # `core.settings` is the one settings object (launchers read server pythons from it);
+    # `core.lifeline` (stdlib only) ties the servers that launchers start to rlgate's life.
+    allowed = ("inference", "core.settings", "core.lifeline")
     assert offenders("inference", lambda m: m.startswith(allowed)) == []
 
 
 def test_the_store_never_imports_the_web_app_or_services() -> None:
     # migrate.py finds the Alembic scripts through the `migrations` package
-    assert offenders("gateway/store", lambda m: m.startswith(("gateway.store", "migrations"))) == []
-    for path in files("gateway/store"):
+    assert offenders("core/store", lambda m: m.startswith(("core.store", "migrations"))) == []
+    for path in files("core/store"):
         assert not any(m.startswith(("fastapi", "starlette")) for m in imports_of(path)), path
 
 
 def test_the_trainer_reaches_the_gateway_only_through_its_store() -> None:
     def allowed(mod: str) -> bool:
-        return not mod.startswith("gateway") or mod.startswith("gateway.store")
+        return not mod.startswith("gateway") or mod.startswith("core.store")
 
     assert offenders("trainer", allowed) == []
 
@@ -77,9 +77,9 @@ def test_routers_import_no_other_router() -> None:
 
 
 def test_batch_policy_is_pure() -> None:
-    mods = imports_of(ROOT / "gateway/services/batch_policy.py")
+    mods = imports_of(ROOT / "gateway/control/batch_policy.py")
     assert not any(m.startswith(("sqlalchemy", "fastapi")) for m in mods), mods
-    assert {m for m in mods if m.startswith("gateway")} <= {"gateway.store.status"}
+    assert {m for m in mods if m.startswith("gateway")} <= {"core.store.status"}
 
 
 @pytest.mark.parametrize("path", files("agents_sdk"), ids=lambda p: p.name)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from gateway.services.leader import AdvisoryLockLeader, SoleLeader, make_leader
+from gateway.control.leader import AdvisoryLockLeader, SoleLeader, make_leader
 from tests.integration.conftest import fresh_database
 
 

@@ -78,7 +78,7 @@ def test_the_task_imports_only_the_standard_library_and_the_demo_task():
 
 
 def test_the_trl_script_loads_the_task_by_path_and_scores_the_same():
-    from rlgate.bench_learn_trl import load_task
+    from rlgate.bench.learn_trl import load_task
 
     task = load_task(str(ROOT / "rlgate" / "learn_task.py"))
     p = split("heldout")[0]
@@ -88,8 +88,8 @@ def test_the_trl_script_loads_the_task_by_path_and_scores_the_same():
 
 
 def test_the_rlgate_run_overrides_only_the_shared_hyperparameters():
-    from rlgate.bench_learn import LearnConfig
-    from rlgate.bench_learn_rlgate import run_config
+    from rlgate.bench.learn import LearnConfig
+    from rlgate.bench.learn_rlgate import run_config
     from trainer.config import RunConfig
 
     cfg = LearnConfig(learning_rate=3e-5, clip=0.25, seed=7)
@@ -110,14 +110,14 @@ def test_the_rlgate_run_overrides_only_the_shared_hyperparameters():
 
 @pytest.mark.parametrize("budget", [0, 8, 100])
 def test_the_budget_is_whole_steps(budget):
-    from rlgate.bench_learn import LearnConfig
+    from rlgate.bench.learn import LearnConfig
 
     with pytest.raises(ValueError, match="--budget"):
         LearnConfig(budget=budget)
 
 
 def test_trained_fraction_counts_only_groups_with_reward_variance():
-    from rlgate.bench_learn_rlgate import Sample, trained_figures
+    from rlgate.bench.learn_rlgate import Sample, trained_figures
 
     samples = [
         Sample(float(i), r, g, f"{g}-{i}")
@@ -146,4 +146,4 @@ def test_the_cli_registers_bench_learn():
 
     args = build_parser().parse_args(["bench", "learn", "--budget", "64", "--seeds", "0,1"])
     assert (args.budget, args.seeds, args.model) == (64, "0,1", "smollm2")
-    assert args.func.__module__ == "rlgate.bench_learn"
+    assert args.func.__module__ == "rlgate.bench.learn"

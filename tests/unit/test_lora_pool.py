@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.services.backends import BackendPool
+from gateway.control.backends import BackendPool
 from inference.backend import BackendError
 from inference.lora_view import AdapterView
 from inference.types import GenerateRequest, SamplingParams

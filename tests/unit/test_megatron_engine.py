@@ -79,10 +79,10 @@ def test_the_torchrun_worker_routes_to_the_megatron_engine(
 def test_a_step_of_a_megatron_run_fails_with_the_message(tmp_path: Path) -> None:
     """The worker checks at step start (the gateway cannot when workers run elsewhere):
     the step is marked failed with the reason, and the run's version does not move."""
-    from gateway.store.db import make_sync_engine
-    from gateway.store.migrate import upgrade
-    from gateway.store.models import Run, TrainStep
-    from rlgate.settings import Settings
+    from core.settings import Settings
+    from core.store.db import make_sync_engine
+    from core.store.migrate import upgrade
+    from core.store.models import Run, TrainStep
     from trainer.tasks import Trainer
 
     settings = Settings(data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'rlgate.db'}")

@@ -13,9 +13,9 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
-from gateway.store.db import make_sync_engine
-from gateway.store.migrate import alembic_config, downgrade, upgrade
-from gateway.store.models import Base
+from core.store.db import make_sync_engine
+from core.store.migrate import alembic_config, downgrade, upgrade
+from core.store.models import Base
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 APP_TABLES = {

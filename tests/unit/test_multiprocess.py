@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.control.multiprocess import RemoteOnlyPool, RemoteOnlyRuns, refuse_in_process
 from gateway.errors import InvalidRequest, Unavailable
 from gateway.protocol import RunCreate
-from gateway.services.multiprocess import RemoteOnlyPool, RemoteOnlyRuns, refuse_in_process
 
 
 def test_only_in_process_kinds_are_refused() -> None:

@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.errors import RateLimited
-from gateway.services import overload
-from gateway.services.overload import (
+from gateway.middleware import overload
+from gateway.middleware.overload import (
     AdaptiveLimit,
     Limiter,
     OverloadConfig,

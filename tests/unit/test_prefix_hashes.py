@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.services.episodes import assistant_prefix_hashes, conversation_hash
+from gateway.agent.episodes import assistant_prefix_hashes, conversation_hash
 
 _call = st.fixed_dictionaries(
     {

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.completions import ChatService
-from gateway.store.models import Run
+from core.store.models import Run
+from gateway.agent.completions import ChatService
 from trainer.config import RunConfig
 
 

@@ -15,10 +15,10 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session
 
-from gateway.services.training import TrainingScheduler
-from gateway.store.db import make_async_engine, make_sync_engine
-from gateway.store.migrate import upgrade
-from gateway.store.models import Episode, Run
+from core.store.db import make_async_engine, make_sync_engine
+from core.store.migrate import upgrade
+from core.store.models import Episode, Run
+from gateway.control.training import TrainingScheduler
 from trainer.celery_app import make_celery
 from trainer.config import QueueConfig
 

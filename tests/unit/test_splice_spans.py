@@ -2,7 +2,7 @@
 
 No backend here: what a local or vLLM backend returned is a list of ids, and
 the splice (`ChatTemplate.continue_from` with the answer spans from
-`gateway.services.episodes.sampled_stream`) works on those alone.
+`gateway.agent.episodes.sampled_stream`) works on those alone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.services.episodes import sampled_stream
+from gateway.agent.episodes import sampled_stream
 from inference.chat_template import ChatTemplate
 from tests.forced_tokens import byte_id
 from tests.unit.test_token_exact import STRIP_THINKING

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect
 
-from gateway.store.db import make_sync_engine
-from gateway.store.migrate import upgrade
-from gateway.store.models import Episode, TrainStep
-from gateway.store.status import PENDING_EPISODE, STEP_IN_FLIGHT, EpisodeStatus, StepStatus
+from core.store.db import make_sync_engine
+from core.store.migrate import upgrade
+from core.store.models import Episode, TrainStep
+from core.store.status import PENDING_EPISODE, STEP_IN_FLIGHT, EpisodeStatus, StepStatus
 
 
 def test_the_stored_values_are_pinned() -> None:

@@ -8,8 +8,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.agent.streaming import IncrementalDecoder
 from gateway.request_caps import CAPS
-from gateway.services.streaming import IncrementalDecoder
 from inference.stop_strings import StopMatcher, TextStop, _automaton
 from inference.types import truncate_at_stop
 

@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, Table, insert, select, text
 from sqlalchemy.exc import SAWarning, StatementError
 
-from gateway.store.db import make_sync_engine
-from gateway.store.types import FloatArray, IntArray
+from core.store.db import make_sync_engine
+from core.store.types import FloatArray, IntArray
 
 # The cache-key warning is the bug pinned by test_packed_array_types_are_cacheable below.
 pytestmark = pytest.mark.filterwarnings("ignore:TypeDecorator .* will not produce a cache key")

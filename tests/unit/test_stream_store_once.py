@@ -8,7 +8,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.services.streaming import BackendStream
+from gateway.agent.streaming import BackendStream
 from inference.types import GenerateResult
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.settings import Settings, available_cores, thread_budget
 from inference.local import LocalBackend
-from rlgate.settings import Settings, available_cores, thread_budget
 from trainer.tasks import Trainer
 
 

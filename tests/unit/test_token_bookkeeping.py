@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.store.models import Completion
+from core.store.models import Completion
 from inference.chat_template import ChatTemplate
 from inference.local import LocalBackend
 from inference.types import GenerateRequest, SamplingParams

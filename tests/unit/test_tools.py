@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from gateway.agent.completions import ChatService, Prepared, finish_reason
+from gateway.agent.episodes import Placement
 from gateway.protocol import ChatCompletionRequest
-from gateway.services.completions import ChatService, Prepared, finish_reason
-from gateway.services.episodes import Placement
 from inference.chat_template import ChatTemplate
 from inference.tool_parsers import get_parser, parse_hermes
 from inference.tool_prompt import history_as_text, with_tools

@@ -1,0 +1,172 @@
+"""Runs: create (resolve the model, mint the agent key), read, list, with their steps."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from core.store.completions import call_stats
+from core.store.models import ApiKey, PolicyVersion, Run, RunReplica
+from core.store.replicas import replica_urls
+from core.store.runs import list_runs
+from core.store.steps import run_steps
+from gateway.control.backends import BackendPool
+from gateway.control.run_replicas import normalize_url, public_replicas
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.keys import display_prefix, hash_key, new_key
+from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
+from inference import registry
+from inference.lora import missing_lora_targets
+from inference.models import resolve_model
+from trainer.config import RunConfig
+from trainer.engine_check import engine_unavailable
+
+
+class RunService:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        models_dir: Path,
+        local_trainer: bool = False,
+    ) -> None:
+        self.sessions = sessions
+        self.pool = pool
+        self.models_dir = models_dir
+        # the trainer worker shares this machine (embedded broker): its engine can be checked here
+        self.local_trainer = local_trainer
+
+    async def create(self, body: RunCreate, base_url: str) -> RunCreated:
+        try:
+            cfg = RunConfig.model_validate(body.config)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = "config." + ".".join(str(p) for p in first["loc"]) if first["loc"] else "config"
+            if not first["loc"]:  # a cross-field check: its message starts with the option
+                option = str(first.get("ctx", {}).get("error", "")).split(" ", 1)[0]
+                param = f"config.{option}" if option in RunConfig.model_fields else param
+            raise InvalidRequest(f"{param}: {first['msg']}", param=param) from exc
+        if self.local_trainer and (reason := engine_unavailable(cfg.engine)):
+            raise InvalidRequest(f"config.engine: {reason}", param="config.engine")
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
+        except (ValueError, RuntimeError) as exc:
+            raise InvalidRequest(str(exc), param="model") from exc
+        if cfg.lora:
+            missing = await asyncio.to_thread(
+                missing_lora_targets, model_dir, cfg.resolved_lora_targets()
+            )
+            if missing:
+                raise InvalidRequest(
+                    f"config.lora_target_modules: {body.model} has no Linear layer named "
+                    f"{', '.join(missing)}",
+                    param="config.lora_target_modules",
+                )
+        if cfg.weight_sync == "collective" and body.backend not in registry.remote_names():
+            raise InvalidRequest(
+                f"config.weight_sync: 'collective' sends weights to inference servers: "
+                f"it needs backend {' or '.join(registry.remote_names())}",
+                param="config.weight_sync",
+            )
+        if body.replicas and body.backend not in registry.remote_names():
+            kinds = " or ".join(registry.remote_names())
+            raise InvalidRequest(f"replicas need backend {kinds}", param="replicas")
+        urls = list(dict.fromkeys(normalize_url(u, "replicas") for u in body.replicas))
+        run_id = "run_" + uuid.uuid4().hex[:16]
+        key = new_key()
+        async with self.sessions.begin() as s:
+            run = Run(
+                id=run_id,
+                name=body.name,
+                model=body.model,
+                model_path=str(model_dir),
+                backend=body.backend,
+                status="active",
+                config=cfg.model_dump(),
+                current_version=0,
+                counters={},
+            )
+            s.add(run)
+            await s.flush()
+            s.add(ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key)))
+            s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
+            s.add_all(RunReplica(run_id=run_id, url=u) for u in urls)
+        public = await self.public(run, base_url)
+        return RunCreated(**public.model_dump(), api_key=key)
+
+    async def public(self, run: Run, base_url: str) -> RunPublic:
+        serving = self.pool.loaded().get(run.id)
+        async with self.sessions() as s:
+            links, drift = await call_stats(s, run.id)
+            urls = await replica_urls(s, run.id)
+        return RunPublic(
+            calls_by_link=links,
+            template_drift=drift,
+            run_id=run.id,
+            name=run.name,
+            model=run.model,
+            backend=run.backend,
+            status=run.status,
+            base_url=base_url,
+            current_version=run.current_version,
+            served_version=serving.backend.version if serving else None,
+            replicas=public_replicas(urls, self.pool.replica_status(run.id)),
+            config=run.config,
+            counters=run.counters or {},
+            created_at=run.created_at.isoformat(),
+        )
+
+    TRANSITIONS = {"pause": ("active", "paused"), "resume": ("paused", "active")}
+
+    async def set_status(self, run_id: str, action: str) -> str:
+        """pause (active -> paused), resume (paused -> active), stop (any -> stopped, final).
+
+        Pausing freezes the run where it is (no step trains, agent calls get 429), a LoRA
+        run's adapter included. Stopping a LoRA run also unloads its adapter, after the
+        batch generating now; the shared base and every other run's adapter stay.
+        """
+        status = await self._set_status(run_id, action)
+        if status == "stopped":
+            run = await self.get(run_id)
+            if RunConfig.model_validate(run.config).lora:
+                await self.pool.unload(run_id)
+        return status
+
+    async def _set_status(self, run_id: str, action: str) -> str:
+        async with self.sessions.begin() as s:
+            run = await s.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"no run {run_id!r}", param="run_id")
+            if action == "stop":
+                run.status = "stopped"
+            elif action in self.TRANSITIONS:
+                before, after = self.TRANSITIONS[action]
+                if run.status != before:
+                    raise Conflict(
+                        f"cannot {action} a run that is {run.status}", code="invalid_transition"
+                    )
+                run.status = after
+            else:
+                raise NotFound(f"no action {action!r}: pause, resume or stop", param="action")
+            return run.status
+
+    async def get(self, run_id: str) -> Run:
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no run {run_id!r}", param="run_id")
+        return run
+
+    async def list(self) -> list[Run]:
+        async with self.sessions() as s:
+            return await list_runs(s)
+
+    async def steps(self, run_id: str) -> list[TrainStepPublic]:
+        await self.get(run_id)
+        async with self.sessions() as s:
+            rows = await run_steps(s, run_id)
+            return [TrainStepPublic.model_validate(r) for r in rows]

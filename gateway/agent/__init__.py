@@ -1,0 +1,1 @@
+"""The agent plane: sampling calls (chat, text, Responses, Messages), capture, episodes, rewards."""

@@ -1,0 +1,467 @@
+"""Chat completions: render, generate token ids, store the exact sample, answer in OpenAI form."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from core.store.lineage import Lineage
+from core.store.models import Completion, Run
+from core.store.runs import checkpoint_of, list_runs
+from gateway.agent.capture import CaptureWriter
+from gateway.agent.episodes import (
+    EpisodeRef,
+    Placement,
+    answer_message,
+    conversation_hash,
+    explicit_ids,
+    place,
+    sampled_stream,
+    with_sampled_answers,
+)
+from gateway.control.admission import Admission, run_unavailable
+from gateway.control.backends import BackendPool, RunServing
+from gateway.errors import InvalidRequest, Unavailable, backend_failure
+from gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    CompletionTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    Usage,
+)
+from inference import registry
+from inference.backend import BackendError
+from inference.reasoning import opens_think, split_reasoning, think_token_count
+from inference.tool_parsers import ToolParser, get_parser
+from inference.tool_prompt import with_tools
+from inference.types import (
+    MIN_TEMPERATURE,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    truncate_at_stop,
+)
+from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+PREWARM_RETRY_S = 60.0  # a run whose servers did not answer is not prepared again sooner
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chat call ready to sample: where it goes and exactly which ids the model will see."""
+
+    run: Run
+    req: ChatCompletionRequest
+    serving: RunServing
+    messages: list[dict[str, Any]]
+    placement: Placement
+    prompt_ids: list[int]
+    spliced: bool
+    params: SamplingParams
+    tool_parser: ToolParser | None = None  # set when the call offers tools
+    reasoning: bool = False  # split <think>...</think> into reasoning_content
+    think_open: bool = False  # the prompt ends in an open <think>: sampling starts inside it
+
+
+class ChatService:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        capture: CaptureWriter | None = None,
+        admission: Admission | None = None,
+        reads: async_sessionmaker[AsyncSession] | None = None,
+    ) -> None:
+        """`reads`: sessions for the placement's reads (`Lineage`), by default `sessions`."""
+        self.sessions = sessions
+        self.pool = pool
+        self.admission = admission or Admission(sessions, pool.serving_version)
+        # Without a started writer (no app lifespan) each store is its own transaction.
+        self.capture = capture or CaptureWriter(sessions)
+        self.lineage = Lineage(reads or sessions)
+        self._checkpoints: dict[tuple[str, int], str] = {}
+        self._prewarm_failed: dict[str, float] = {}  # run -> when preparing it last failed
+        # Run (as the key cache hands it out) -> (its config dict, that dict validated)
+        self._configs: weakref.WeakKeyDictionary[Run, tuple[dict, RunConfig]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def config(self, run: Run) -> RunConfig:
+        """`run.config` validated, once per Run object and config dict.
+
+        A request's run comes from the agent-key cache (`gateway/middleware/auth_cache.py`), the
+        same object until that entry is reloaded; validating its config on every call was
+        2 % of a call's CPU.
+        """
+        kept = self._configs.get(run)
+        if kept is not None and kept[0] is run.config:
+            return kept[1]
+        cfg = RunConfig.model_validate(run.config)
+        self._configs[run] = (run.config, cfg)
+        return cfg
+
+    async def serving(self, run: Run) -> RunServing:
+        key = (run.id, run.current_version)
+        ckpt = self._checkpoints.get(key)
+        if ckpt is None:
+            async with self.sessions() as s:
+                ckpt = await checkpoint_of(s, run.id, run.current_version)
+            if ckpt is not None:
+                # A version's checkpoint never changes once written (a rollback makes a new
+                # version): one query per version, not one per request.
+                if len(self._checkpoints) > 4096:
+                    self._checkpoints.clear()
+                self._checkpoints[key] = ckpt
+        try:
+            return await self.pool.get(
+                run.id,
+                Path(run.model_path),
+                run.backend,
+                run.current_version,
+                Path(ckpt) if ckpt else None,
+                lora=run.config.get("lora_rank") is not None,
+            )
+        except (OSError, ValueError) as exc:
+            logger.exception("could not load the model of run %s", run.id)
+            raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
+
+    async def prewarm(self) -> None:
+        """Load what serving each active run on inference servers needs (its tokenizer, chat
+        template and server clients) before its first call asks for it.
+
+        A gateway process otherwise loads it inside its first call of each run, about two
+        seconds that its first callers wait; with `--workers N`, in every process, and for
+        a run created after the processes started (one process serves the admin call that
+        creates it; the others hear of it at its first call). Called at start and then
+        every few seconds (`gateway.app`); a loaded run costs nothing here. Runs sampled in
+        this process (`local`) are left to their first call: each is a whole model in
+        memory. A run that failed to load is tried again after `PREWARM_RETRY_S`.
+        """
+        async with self.sessions() as s:
+            runs = await list_runs(s)
+        now = time.monotonic()
+        for run in runs:
+            if run.status != "active" or not registry.get(run.backend).remote:
+                continue
+            if now - self._prewarm_failed.get(run.id, float("-inf")) < PREWARM_RETRY_S:
+                continue
+            try:
+                await self.serving(run)
+            except Exception:  # its first call reports what is wrong, as without this
+                self._prewarm_failed[run.id] = now
+                logger.warning("could not prepare run %s before its first call", run.id)
+
+    async def prepare(
+        self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef, *, think: bool = False
+    ) -> Prepared:
+        """Everything before sampling: ids, placement, the token-exact prompt, sampling params.
+
+        Every client error is raised here, before a stream could have started. `think`
+        splits reasoning out even where the run does not parse it (a Messages call that
+        enables `thinking`).
+        """
+        explicit_ids(ref, req.metadata)  # validate ids before any work
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                raise InvalidRequest(
+                    f"{name} is not supported by the local backend: penalised sampling would "
+                    "make the reported logprobs differ from the trainer's",
+                    param=name,
+                )
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise InvalidRequest(
+                f"response_format {fmt!r} needs a backend with guided decoding (vLLM); "
+                "the local backend has none",
+                param="response_format",
+            )
+        try:
+            messages = [m.normalized() for m in req.messages]
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        cfg = self.config(run)
+        serving = await self.serving(run)
+        placement = await place(
+            self.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
+        )
+        chain = await self.lineage.ancestry(placement.parent)
+        parent = placement.parent
+        template = serving.template
+        # Our own earlier answers are rendered as the text that was sampled (tool calls
+        # included), not rebuilt from the structured message the agent echoed; the splice
+        # keeps their sampled ids (`sampled_stream`), for chat and Responses alike.
+        to_render = with_sampled_answers(messages, chain, template.decode)
+        to_render, native_tools = with_tools(
+            to_render, req.tool_dicts(), req.tool_choice, template.native_tools
+        )
+        try:
+            if parent is not None:
+                stream, answers = sampled_stream(chain)
+                prompt_ids, spliced = await asyncio.to_thread(
+                    template.continue_from, stream, to_render, native_tools, answers
+                )
+            else:
+                prompt_ids = template.lookup(to_render, native_tools)
+                if prompt_ids is None:
+                    prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)
+                spliced = False
+        except Exception as exc:  # a template can raise on roles or shapes it does not know
+            raise InvalidRequest(
+                f"messages could not be rendered: {exc}", param="messages"
+            ) from exc
+        params = sampling_params(
+            n_prompt=len(prompt_ids),
+            max_new=req.max_new_tokens(DEFAULT_MAX_TOKENS),
+            max_context=serving.max_context,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_token_ids=template.stop_token_ids,
+            stop=req.stop_strings(),
+            param="messages",
+        )
+        parser = get_parser(cfg.tool_parser) if req.tools_active() else None
+        reasoning = think or cfg.reasoning_parser == "think"
+        # The last few ids are enough to see whether the generation prompt opened <think>.
+        think_open = reasoning and opens_think(template.stream_text(prompt_ids[-16:]))
+        await self.admit(run, cfg, placement, req.n or 1)
+        return Prepared(
+            run,
+            req,
+            serving,
+            messages,
+            placement,
+            prompt_ids,
+            spliced,
+            params,
+            parser,
+            reasoning=reasoning,
+            think_open=think_open,
+        )
+
+    async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
+        """The last step of every endpoint's `prepare`, after every client error: a paused or
+        stopped run answers 429, a call that could not be stored answers 503 (a stream
+        before its first byte), and a new conversation waits here while the trainer cannot
+        absorb it (`gateway.control.admission`)."""
+        if run.status != "active":
+            raise run_unavailable(run.id, run.status)
+        await self.capture.check()  # the store lost its last batch: a 503 before sampling
+        await self.admission.admit(run, cfg, placement, n)
+
+    async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
+        prep = await self.prepare(run, req, ref)
+        base_id = "chatcmpl-" + uuid.uuid4().hex
+        rows, group_id = await self.sample(prep, base_id)
+        return self._response(req, prep.serving, base_id, group_id, rows)
+
+    async def sample(self, prep: Prepared, base_id: str) -> tuple[list[Completion], str | None]:
+        """Sample the call's `n` choices and store them: (the stored rows, the group of n > 1).
+
+        With n = 1 the completion's id is `base_id`; choice i of n > 1 is `base_id-i`.
+        """
+        serving, params, prompt_ids, run = prep.serving, prep.params, prep.prompt_ids, prep.run
+        n = prep.req.n or 1
+        try:
+            results = await asyncio.gather(
+                *(
+                    serving.backend.generate(
+                        GenerateRequest(prompt_ids, _nth_seed(params, i), prep.placement.episode_id)
+                    )
+                    for i in range(n)
+                )
+            )
+        except BackendError as exc:
+            logger.warning("backend failed for run %s: %s", run.id, exc)
+            raise backend_failure(exc) from exc
+        # n > 1: each choice is an episode of its own, and together they form one group.
+        group_id = (
+            prep.placement.group_id if n == 1 else (prep.placement.group_id or f"n-{base_id}")
+        )
+        rows = [
+            self.completion_row(
+                prep, base_id if n == 1 else f"{base_id}-{i}", i if n > 1 else None, r
+            )
+            for i, r in enumerate(results)
+        ]
+        await self.store(rows, group_id)
+        return rows, group_id if n > 1 else None
+
+    @staticmethod
+    def completion_row(
+        prep: Prepared, completion_id: str, choice: int | None, result: GenerateResult
+    ) -> Completion:
+        """The stored record of one sample; `choice` is set for the choices of n > 1."""
+        placement, parent = prep.placement, prep.placement.parent
+        episode_id = placement.episode_id
+        if choice is not None:
+            episode_id = f"{placement.episode_id[:95]}.n{choice}"
+        text = truncate_at_stop(
+            prep.serving.template.decode(result.output_token_ids), prep.params.stop
+        )
+        calls: list[dict[str, Any]] = []
+        reasoning = None
+        if prep.reasoning:
+            reasoning, text = split_reasoning(text, prep.think_open)
+        if prep.tool_parser is not None:
+            text, parsed = prep.tool_parser(text)
+            if prep.req.parallel_tool_calls is False:
+                parsed = parsed[:1]
+            calls = [c.to_openai() for c in parsed]
+        row = Completion(
+            id=completion_id,
+            run_id=prep.run.id,
+            episode_id=episode_id,
+            parent_id=parent.id if parent else None,
+            messages=prep.messages,
+            prompt_token_ids=prep.prompt_ids,
+            output_token_ids=result.output_token_ids,
+            output_logprobs=result.output_logprobs,
+            content=text,
+            finish_reason=result.finish_reason,
+            temperature=prep.params.temperature,
+            policy_version=result.policy_version,
+            tool_calls=calls or None,
+            reasoning_content=reasoning,
+            conv_hash=conversation_hash([*prep.messages, answer_message(text, calls)]),
+            prompt_hash=conversation_hash(prep.messages),
+            spliced=prep.spliced,
+            drift=parent is not None and not prep.spliced,
+            link=placement.link,
+        )
+        if row.drift:
+            logger.info("template drift in run %s after %s: new sequence", prep.run.id, parent.id)
+        return row
+
+    async def store(self, rows: list[Completion], group_id: str | None) -> None:
+        """Commit the completions and, if new, their episodes before the answer goes out.
+
+        Group commit (`CaptureWriter`): batched with concurrent requests' rows, and
+        awaited, so an answered completion is always stored; 503 if the database is down.
+        """
+        await self.capture.submit(rows, group_id)
+
+    @staticmethod
+    def _response(
+        req, serving: RunServing, base_id: str, group_id: str | None, rows: list[Completion]
+    ) -> ChatCompletion:
+        tok = serving.template.tokenizer
+        choices = []
+        for i, row in enumerate(rows):
+            logprobs = None
+            if req.logprobs:
+                logprobs = ChoiceLogprobs(
+                    content=[
+                        TokenLogprob(token=tok.decode([t]), logprob=lp)
+                        for t, lp in zip(row.output_token_ids, row.output_logprobs, strict=True)
+                    ]
+                )
+            choices.append(
+                Choice(
+                    index=i,
+                    message=ResponseMessage(
+                        content=row.content if (row.content or not row.tool_calls) else None,
+                        tool_calls=row.tool_calls,
+                        reasoning_content=row.reasoning_content,
+                    ),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(row),
+                    completion_id=row.id,
+                    episode_id=row.episode_id,
+                )
+            )
+        return ChatCompletion(
+            id=base_id,
+            model=req.model,
+            choices=choices,
+            usage=chat_usage(rows, serving.template.decode),
+            system_fingerprint=f"rlgate-{rows[0].run_id}-v{rows[0].policy_version}",
+            episode_id=rows[0].episode_id if len(rows) == 1 else None,
+            group_id=group_id,
+            policy_version=rows[0].policy_version,
+        )
+
+
+def sampling_params(
+    *,
+    n_prompt: int,
+    max_new: int,
+    max_context: int,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    top_k: int | None = None,
+    stop_token_ids: tuple[int, ...],
+    stop: tuple[str, ...],
+    param: str,
+) -> SamplingParams:
+    """Validated sampling parameters; a client error is an InvalidRequest naming `param`."""
+    if n_prompt + max_new > max_context:
+        raise InvalidRequest(
+            f"prompt ({n_prompt} tokens) plus max_tokens ({max_new}) exceeds the "
+            f"model's context of {max_context} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    temp = 1.0 if temperature is None else temperature
+    if temp < MIN_TEMPERATURE:
+        temp = 0.0  # greedy: a vanishing temperature is argmax anyway
+    try:
+        return SamplingParams(
+            max_tokens=max_new,
+            temperature=temp,
+            top_p=top_p or 1.0,
+            top_k=max(top_k or 0, 0),
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def chat_usage(rows: list[Completion], decode) -> Usage:
+    """Token counts of a call's choices (they share the prompt); with reasoning parsed, the
+    thinking tokens too (`completion_tokens_details.reasoning_tokens`, as OpenAI counts them)."""
+    n_prompt = len(rows[0].prompt_token_ids)
+    n_out = sum(len(r.output_token_ids) for r in rows)
+    thinking = [r for r in rows if r.reasoning_content is not None]
+    details = None
+    if thinking:
+        n_think = sum(think_token_count(list(r.output_token_ids), decode) for r in thinking)
+        details = CompletionTokensDetails(reasoning_tokens=n_think)
+    return Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_out,
+        total_tokens=n_prompt + n_out,
+        completion_tokens_details=details,
+    )
+
+
+def finish_reason(row: Completion) -> str:
+    if row.tool_calls:
+        return "tool_calls"
+    return "length" if row.finish_reason == "length" else "stop"
+
+
+def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a seeded n > 1 request samples with seed + i (distinct, reproducible)."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % 2**63)

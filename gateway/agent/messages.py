@@ -1,0 +1,441 @@
+"""Anthropic's Messages API as a translation onto chat completions, so capture stays in one place.
+
+A request becomes a `ChatCompletionRequest`:
+
+* `system` (a string or text blocks) is a leading system message, and a
+  `role: system` turn (Claude Code sends one mid-conversation) a system message;
+* a user turn's text blocks are one user message, and each `tool_result`
+  block a `role: tool` message (before the text, as Anthropic orders them);
+* an assistant turn's text blocks are its content and its `tool_use` blocks
+  its `tool_calls`; `thinking` blocks are dropped: an answer rlgate sampled is
+  rendered from the ids it sampled, thinking included (`with_sampled_answers`);
+* `tools`, `tool_choice`, `stop_sequences`, `max_tokens`, `temperature`,
+  `top_p`, `top_k` and `metadata` map to their chat twins; `thinking`
+  enabled splits `<think>...</think>` out as a `thinking` block even where
+  the run does not parse reasoning.
+
+The chat service renders, samples and stores the completion exactly as for a
+chat call, under the message's own id (`msg_...`, the id to reward it by), so
+placement, prefix matching and splicing work unchanged, and an episode may
+mix Messages and chat calls. Images and documents are refused: rlgate serves
+text models.
+
+Streaming drives `ChatStream` and turns its chunks into Anthropic's events:
+`message_start`, `ping`, then per block `content_block_start`, its deltas
+(`thinking_delta` then `signature_delta`, `text_delta`, `input_json_delta`)
+and `content_block_stop`, then `message_delta` (stop reason, usage) and
+`message_stop`. The completion is stored before `message_delta` is sent; a
+failure after the first event is an `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from core.store.models import Completion, Run
+from gateway.agent.completions import ChatService, Prepared
+from gateway.agent.episodes import EpisodeRef
+from gateway.agent.streaming import ChatStream
+from gateway.errors import APIError, InvalidRequest, backend_failure
+from gateway.protocol import ChatCompletionRequest
+from gateway.protocol_messages import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    MessageUsage,
+    TokenCount,
+)
+from inference.backend import BackendError
+from inference.tool_prompt import with_tools
+
+logger = logging.getLogger(__name__)
+
+# Chat request fields that have another name in a Messages request.
+CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+REFUSED_BLOCKS = ("image", "document", "search_result", "container_upload")
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+class MessagesService:
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+
+    async def create(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> MessageResponse:
+        prep = await self.prepare(run, req, ref)
+        rows, _ = await self.chat.sample(prep, new_message_id())
+        return message_response(req, prep, rows[0])
+
+    async def start_stream(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> MessageStream:
+        """Every client error, and a backend full or down, is raised before the first event."""
+        prep = await self.prepare(run, req, ref)
+        chat = ChatStream(self.chat, prep, new_message_id())
+        await chat.open()
+        return MessageStream(self.chat, req, prep, chat)
+
+    async def count_tokens(self, run: Run, req: CountTokensRequest) -> TokenCount:
+        """The prompt's tokens as a new conversation would render it (no splice, no admission)."""
+        chat = chat_request(req, max_tokens=1)
+        serving = await self.chat.serving(run)
+        template = serving.template
+        try:
+            messages = [m.normalized() for m in chat.messages]
+            to_render, native = with_tools(
+                messages, chat.tool_dicts(), chat.tool_choice, template.native_tools
+            )
+            ids = await asyncio.to_thread(template.render, to_render, native)
+        except Exception as exc:  # a template can raise on roles or shapes it does not know
+            raise InvalidRequest(
+                f"messages could not be rendered: {exc}", param="messages"
+            ) from exc
+        return TokenCount(input_tokens=len(ids))
+
+    async def prepare(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> Prepared:
+        chat = chat_request(req, max_tokens=req.max_tokens)
+        think = req.thinking is not None and req.thinking.type != "disabled"
+        try:
+            return await self.chat.prepare(run, chat, ref, think=think)
+        except APIError as exc:
+            if exc.param in CHAT_TO_MESSAGES_PARAM:
+                exc.param = CHAT_TO_MESSAGES_PARAM[exc.param]
+            raise
+
+
+# --- request translation -------------------------------------------------------------------
+
+
+def chat_request(req: CountTokensRequest, max_tokens: int) -> ChatCompletionRequest:
+    """The chat request that samples what `req` asks for."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        where = f"messages[{i}].content"
+        if m.role == "user":
+            messages.extend(_user_turn(blocks, where))
+        elif m.role == "system":
+            messages.append({"role": "system", "content": _text_of(blocks, where)})
+        else:
+            messages.append(_assistant_turn(blocks, where))
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": max_tokens,
+    }
+    if isinstance(req, MessagesRequest):
+        body.update(
+            metadata={k: v for k, v in (req.metadata or {}).items() if v is not None} or None,
+            stop=req.stop_sequences or None,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+        )
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in req.tools
+        ]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req)
+        if req.tool_choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = CHAT_TO_MESSAGES_PARAM.get(loc[0], loc[0]) if loc else None
+        raise InvalidRequest(
+            f"{param}: {err.get('msg')}", param=param, code="invalid_value"
+        ) from exc
+
+
+def _tool_choice(req: CountTokensRequest) -> Any:
+    choice = req.tool_choice
+    assert choice is not None
+    if choice.type == "tool":
+        names = {t.name for t in req.tools or []}
+        if choice.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names {choice.name!r}, which is not in tools",
+                param="tool_choice.name",
+            )
+        return {"type": "function", "function": {"name": choice.name}}
+    if choice.type == "any" and not req.tools:
+        raise InvalidRequest("tool_choice 'any' needs tools", param="tool_choice")
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise InvalidRequest(f"{where}: a content block needs a 'type'", param=where)
+    kind = block["type"]
+    if kind in REFUSED_BLOCKS:
+        raise InvalidRequest(
+            f"{where}: {kind} blocks are not supported: rlgate serves text-only models",
+            param=where,
+            code="unsupported_content",
+        )
+    return kind
+
+
+def _block_text(block: dict[str, Any], at: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise InvalidRequest(f"{at}: a text block needs a 'text' string", param=at)
+    return block["text"]
+
+
+def _text_of(content: Any, where: str) -> str:
+    """Text from a string or a list of text blocks (a system prompt, a tool result)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: expected a string or a list of blocks", param=where)
+    parts = []
+    for j, block in enumerate(content):
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind != "text":
+            raise InvalidRequest(
+                f"{where}[{j}]: only text blocks are allowed here, not {kind!r}",
+                param=f"{where}[{j}]",
+            )
+        parts.append(_block_text(block, f"{where}[{j}]"))
+    return "".join(parts)
+
+
+def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    tools, text = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            text.append(_block_text(block, at))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(f"{at}: tool_result needs tool_use_id", param=at)
+            result = _text_of(block.get("content") or "", f"{at}.content")
+            tools.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        else:
+            raise InvalidRequest(f"{at}: a user turn cannot hold a {kind!r} block", param=at)
+    return [*tools, *([{"role": "user", "content": "".join(text)}] if text or not tools else [])]
+
+
+def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    text, calls = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            text.append(_block_text(block, at))
+        elif kind == "tool_use":
+            name, args = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise InvalidRequest(f"{at}: tool_use needs a name and an input object", param=at)
+            fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+            calls.append({"id": str(block.get("id", "")), "type": "function", "function": fn})
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise InvalidRequest(f"{at}: an assistant turn cannot hold a {kind!r} block", param=at)
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+# --- answer translation --------------------------------------------------------------------
+
+
+def stop_of(prep: Prepared, row: Completion) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a stored completion."""
+    if row.tool_calls:
+        return "tool_use", None
+    if row.finish_reason == "length":
+        return "max_tokens", None
+    text = prep.serving.template.decode(list(row.output_token_ids))
+    hits = [(text.find(s), s) for s in prep.params.stop if s in text]
+    if hits:
+        return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is (the parser made them JSON)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(row: Completion) -> list[dict[str, Any]]:
+    """The answer's blocks: thinking (signed with the message id), text, tool uses."""
+    blocks: list[dict[str, Any]] = []
+    if row.reasoning_content is not None:
+        blocks.append({"type": "thinking", "thinking": row.reasoning_content, "signature": row.id})
+    if row.content or not row.tool_calls:
+        blocks.append({"type": "text", "text": row.content or ""})
+    for call in row.tool_calls or []:
+        fn = call["function"]
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": fn["name"],
+                "input": tool_input(fn["arguments"]),
+            }
+        )
+    return blocks
+
+
+def message_response(req: MessagesRequest, prep: Prepared, row: Completion) -> MessageResponse:
+    stop_reason, stop_sequence = stop_of(prep, row)
+    return MessageResponse(
+        id=row.id,
+        content=content_blocks(row),
+        model=req.model,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=MessageUsage(
+            input_tokens=len(row.prompt_token_ids), output_tokens=len(row.output_token_ids)
+        ),
+        completion_id=row.id,
+        episode_id=row.episode_id,
+        policy_version=row.policy_version,
+    )
+
+
+class MessageStream:
+    """One streaming message: `events()` yields Anthropic's events as JSON-ready dicts."""
+
+    def __init__(
+        self, chat: ChatService, req: MessagesRequest, prep: Prepared, stream: ChatStream
+    ) -> None:
+        self.chat = chat
+        self.req = req
+        self.prep = prep
+        self.stream = stream
+        self.index = -1  # the open block's index
+        self.open_kind: str | None = None  # the open block's type
+
+    @property
+    def episode_id(self) -> str:
+        return self.prep.placement.episode_id
+
+    def start(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self.stop()
+        self.index += 1
+        self.open_kind = kind
+        events.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        return events
+
+    def stop(self) -> list[dict[str, Any]]:
+        if self.open_kind is None:
+            return []
+        events = []
+        if self.open_kind == "thinking":
+            delta = {"type": "signature_delta", "signature": self.stream.id}
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+        events.append({"type": "content_block_stop", "index": self.index})
+        self.open_kind = None
+        return events
+
+    def delta(self, kind: str, **fields: Any) -> dict[str, Any]:
+        delta = {"type": kind, **fields}
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def message_start(self) -> dict[str, Any]:
+        usage = {"input_tokens": len(self.prep.prompt_ids), "output_tokens": 0}
+        message = {
+            "id": self.stream.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.req.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+            # --- rlgate extensions
+            "completion_id": self.stream.id,
+            "episode_id": self.episode_id,
+            "policy_version": self.prep.serving.backend.version,
+        }
+        return {"type": "message_start", "message": message}
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        yield self.message_start()
+        yield {"type": "ping"}
+        chunks = self.stream.chunks()
+        try:
+            async for chunk in chunks:
+                if "error" in chunk:  # the chat stream's in-stream error: the backend broke
+                    raise BackendError(chunk["error"]["message"])
+                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                for event in self.translate(delta):
+                    yield event
+        except BackendError as exc:
+            logger.warning("message stream %s failed: %s", self.stream.id, exc)
+            yield {"type": "error", "error": backend_failure(exc).anthropic_body()["error"]}
+            return
+        except APIError as exc:  # e.g. the database gone before the answer could be stored
+            logger.warning("message stream %s ended by an error: %s", self.stream.id, exc.message)
+            yield {"type": "error", "error": exc.anthropic_body()["error"]}
+            return
+        finally:
+            await chunks.aclose()
+        if self.index < 0:  # nothing was said: one empty text block, as Anthropic sends
+            for event in self.start("text", {"type": "text", "text": ""}):
+                yield event
+        for event in self.stop():
+            yield event
+        async with self.chat.sessions() as s:
+            row = await s.get(Completion, self.stream.id)
+        assert row is not None, "the chat stream stores its completion before it finishes"
+        stop_reason, stop_sequence = stop_of(self.prep, row)
+        yield {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": len(row.output_token_ids)},
+            # --- rlgate extension
+            "policy_version": row.policy_version,
+        }
+        yield {"type": "message_stop"}
+
+    def translate(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """Anthropic's events for one chat delta."""
+        events: list[dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            if self.open_kind != "thinking":
+                events += self.start("thinking", {"type": "thinking", "thinking": ""})
+            events.append(self.delta("thinking_delta", thinking=delta["reasoning_content"]))
+        if delta.get("content"):
+            if self.open_kind != "text":
+                events += self.start("text", {"type": "text", "text": ""})
+            events.append(self.delta("text_delta", text=delta["content"]))
+        for call in delta.get("tool_calls") or []:
+            fn = call["function"]
+            block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+            events += self.start("tool_use", block)
+            args = json.dumps(tool_input(fn["arguments"]), ensure_ascii=False)
+            events.append(self.delta("input_json_delta", partial_json=args))
+            events += self.stop()
+        return events

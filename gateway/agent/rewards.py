@@ -1,0 +1,162 @@
+"""Rewards: validate the target, store the post once, update the episode, maybe schedule."""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from core.store.episodes import refresh_episode_status
+from core.store.models import Completion, Episode, Reward, Run
+from core.store.rewards import reward_by_idempotency_key
+from core.store.runs import bump_counter
+from core.store.status import PENDING_EPISODE
+from gateway.errors import Conflict, NotFound, Unprocessable
+from gateway.protocol import RewardAck, RewardRequest
+from trainer.config import RunConfig
+
+
+class RewardService:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self.sessions = sessions
+
+    async def post(self, run: Run, body: RewardRequest) -> RewardAck:
+        return (await self.post_many(run, [body]))[0]
+
+    async def post_many(self, run: Run, bodies: list[RewardRequest]) -> list[RewardAck]:
+        """Store a batch all-or-nothing; each idempotency key is honoured once.
+
+        A repeated key with the same body answers the original acknowledgement
+        (`duplicate: true`); with a different body, 409. A concurrent post of the
+        same key loses the insert race and is answered as a duplicate. The run's
+        reward bounds apply to what is new: a replay answers its acknowledgement
+        even if the bounds have narrowed since, because that reward is stored.
+        """
+        first_of = self._dedupe(bodies)
+        for attempt in range(3):
+            acks: list[RewardAck | None] = [None] * len(bodies)
+            for i, body in enumerate(bodies):
+                if body.idempotency_key is not None and first_of[i] == i:
+                    acks[i] = await self._replay(run, body)
+            self._check_bounds(
+                run, [b for i, b in enumerate(bodies) if first_of[i] == i and acks[i] is None]
+            )
+            try:
+                async with self.sessions.begin() as s:
+                    for i, body in enumerate(bodies):
+                        if acks[i] is None and first_of[i] == i:
+                            acks[i] = await self._apply(s, run, body)
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+                continue  # a concurrent post with one of our keys won: replay it
+            for i, j in enumerate(first_of):
+                if j != i:
+                    acks[i] = acks[j].model_copy(update={"duplicate": True})
+            return acks  # type: ignore[return-value]
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _dedupe(bodies: list[RewardRequest]) -> list[int]:
+        """Index of the first item with the same idempotency key (409 on a different body)."""
+        seen: dict[str, int] = {}
+        first_of = []
+        for i, body in enumerate(bodies):
+            key = body.idempotency_key
+            if key is None:
+                first_of.append(i)
+            elif key in seen:
+                if bodies[seen[key]] != body:
+                    raise Conflict(
+                        f"idempotency_key {key!r} appears twice in the batch with different bodies",
+                        param="idempotency_key",
+                        code="idempotency_conflict",
+                    )
+                first_of.append(seen[key])
+            else:
+                seen[key] = i
+                first_of.append(i)
+        return first_of
+
+    @staticmethod
+    def _check_bounds(run: Run, bodies: list[RewardRequest]) -> None:
+        cfg = RunConfig.model_validate(run.config)
+        for body in bodies:
+            if (cfg.reward_min is not None and body.reward < cfg.reward_min) or (
+                cfg.reward_max is not None and body.reward > cfg.reward_max
+            ):
+                raise Unprocessable(
+                    f"reward {body.reward} is outside this run's bounds "
+                    f"[{cfg.reward_min}, {cfg.reward_max}]",
+                    param="reward",
+                    code="reward_out_of_bounds",
+                )
+
+    async def _apply(self, s: AsyncSession, run: Run, body: RewardRequest) -> RewardAck:
+        completion = None
+        if body.completion_id is not None:
+            completion = await s.get(Completion, body.completion_id)
+            if completion is None or completion.run_id != run.id:
+                raise NotFound(
+                    f"no completion {body.completion_id!r} in this run", param="completion_id"
+                )
+            episode_id = completion.episode_id
+        else:
+            episode_id = body.episode_id
+        episode = await s.get(Episode, (run.id, episode_id))
+        if episode is None:
+            raise NotFound(f"no episode {episode_id!r} in this run", param="episode_id")
+        row = Reward(
+            run_id=run.id,
+            completion_id=body.completion_id,
+            episode_id=episode_id,
+            value=body.reward,
+            idempotency_key=body.idempotency_key,
+        )
+        s.add(row)
+        if episode.status in PENDING_EPISODE:
+            if completion is not None:
+                completion.reward = body.reward
+            else:
+                episode.reward = body.reward
+            await s.flush()
+            await refresh_episode_status(s, episode)
+        else:
+            # Late: the episode is already queued, trained or dropped. Stored, not trained.
+            run_row = await s.get(Run, run.id)
+            bump_counter(run_row, "late_rewards")
+        await s.flush()
+        return RewardAck(
+            id=row.id,
+            run_id=run.id,
+            completion_id=body.completion_id,
+            episode_id=episode_id,
+            reward=body.reward,
+            episode_status=episode.status,
+        )
+
+    async def _replay(self, run: Run, body: RewardRequest) -> RewardAck | None:
+        async with self.sessions() as s:
+            prior = await reward_by_idempotency_key(s, run.id, body.idempotency_key)
+            if prior is None:
+                return None
+            same = (
+                prior.value == body.reward
+                and prior.completion_id == body.completion_id
+                and (body.episode_id is None or prior.episode_id == body.episode_id)
+            )
+            if not same:
+                raise Conflict(
+                    "idempotency_key was already used with a different body",
+                    param="idempotency_key",
+                    code="idempotency_conflict",
+                )
+            episode = await s.get(Episode, (run.id, prior.episode_id))
+            return RewardAck(
+                id=prior.id,
+                run_id=run.id,
+                completion_id=prior.completion_id,
+                episode_id=prior.episode_id,
+                reward=prior.value,
+                episode_status=episode.status if episode else "unknown",
+                duplicate=True,
+            )

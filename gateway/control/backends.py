@@ -1,0 +1,298 @@
+"""One inference backend and chat template per run, loaded lazily off the event loop.
+
+The run's backend kind (`inference.registry`) decides: an in-process kind
+(`local`: `LocalBackend`) is loaded from the weights directory; a remote kind
+(`vllm`, `sglang`, ...) gets one backend per registered replica URL (table
+`run_replicas`), wrapped in a `ReplicaSet` (routing, health, failover, rolling
+hot swap: inference/replicas.py).
+
+LoRA runs (`RunConfig.lora_rank`) on an in-process kind share ONE backend per
+(kind, base model directory): the base is loaded once, each run is an
+`AdapterView` on it that loads only its adapter, and the base is closed when
+its last run is unloaded. A remote LoRA run's replica set must serve adapters
+itself (`AdapterBackend`); its view then routes its requests to its adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from inference import registry
+from inference.backend import AdapterBackend, Backend
+from inference.chat_template import ChatTemplate
+from inference.http_common import ServerCredentials
+from inference.lora_view import AdapterView
+from inference.replicas import ReplicaConfig, ReplicaSet
+from inference.weight_sync import weights_source
+
+if TYPE_CHECKING:
+    from gateway.control.swap_barrier import SwapBarrier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunServing:
+    backend: Backend
+    template: ChatTemplate
+    max_context: int
+
+
+@dataclass
+class SharedBase:
+    """One base model served in-process to every LoRA run on it (their adapters ride on it)."""
+
+    serving: RunServing
+    runs: set[str]
+
+
+def _model_context(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+class BackendPool:
+    """Owns every backend of this gateway. `get` loads the run's model on first use."""
+
+    def __init__(
+        self,
+        max_batch_size: int = 32,
+        sessions: async_sessionmaker[AsyncSession] | None = None,
+        replica_config: ReplicaConfig | None = None,
+        threads: int = 0,
+        credentials: ServerCredentials | None = None,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.credentials = credentials  # what remote runs' servers and weight server require
+        self.threads = threads  # torch threads of an in-process backend (0: torch's default)
+        self.sessions = sessions  # needed for remote runs (their replica URLs)
+        self.replica_config = replica_config or ReplicaConfig()
+        self._serving: dict[str, RunServing] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._bases: dict[tuple[str, Path], SharedBase] = {}  # (kind, base dir) -> LoRA base
+        # PostgreSQL: the swap agreed with other gateway processes (gateway/control/swap_barrier)
+        self.barrier: SwapBarrier | None = None
+
+    def loaded(self) -> dict[str, RunServing]:
+        return dict(self._serving)
+
+    def serving_version(self, run_id: str) -> int | None:
+        """The policy version the run's backend serves now; None: not loaded here."""
+        serving = self._serving.get(run_id)
+        return None if serving is None else serving.backend.version
+
+    async def get(
+        self,
+        run_id: str,
+        model_dir: Path,
+        backend: str,
+        version: int,
+        ckpt: Path | None,
+        *,
+        lora: bool = False,
+    ) -> RunServing:
+        """The run's serving, loaded on first use. `lora`: the run trains a LoRA adapter, and
+        `ckpt` (beyond version 0) is that adapter."""
+        if run_id in self._serving:
+            return self._serving[run_id]
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            if run_id not in self._serving:
+                if registry.get(backend).remote and lora:
+                    # the servers as they are (the base); the run's view loads its adapter
+                    serving = await self._load_remote(run_id, model_dir, backend, 0, None)
+                    serving = await self._adapter_view(run_id, serving, version, ckpt)
+                elif registry.get(backend).remote:
+                    serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
+                elif lora:
+                    serving = await self._load_lora(run_id, model_dir, backend, version, ckpt)
+                else:
+                    serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
+                self._serving[run_id] = serving
+        return self._serving[run_id]
+
+    async def _load_lora(
+        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+    ) -> RunServing:
+        """The run's view on the shared base of (`backend`, `model_dir`), loaded if first."""
+        key = (backend, model_dir.resolve())
+        async with self._locks.setdefault(f"base:{key}", asyncio.Lock()):
+            base = self._bases.get(key)
+            if base is None:
+                serving = await asyncio.to_thread(self._load, model_dir, backend, 0, None)
+                if not isinstance(serving.backend, AdapterBackend):
+                    await serving.backend.close()
+                    raise ValueError(f"the {backend} backend cannot serve LoRA adapters")
+                base = self._bases[key] = SharedBase(serving, set())
+            base.runs.add(run_id)
+        try:
+            return await self._adapter_view(run_id, base.serving, version, ckpt, shared=True)
+        except BaseException:
+            await self._release_base(run_id)
+            raise
+
+    async def _adapter_view(
+        self,
+        run_id: str,
+        serving: RunServing,
+        version: int,
+        ckpt: Path | None,
+        *,
+        shared: bool = False,
+    ) -> RunServing:
+        """`serving` seen by one LoRA run: its adapter (version > 0) loaded, its requests
+        routed to it."""
+        if not isinstance(serving.backend, AdapterBackend):
+            await serving.backend.close()
+            raise ValueError(f"run {run_id}: its backend cannot serve LoRA adapters")
+        view = AdapterView(serving.backend, run_id, owns_backend=not shared)
+        if version > 0 and ckpt is not None:
+            if not ckpt.is_dir():
+                raise OSError(f"adapter {ckpt} of version {version} is missing")
+            await view.load_weights(ckpt, version)
+        return RunServing(view, serving.template, serving.max_context)
+
+    async def _release_base(self, run_id: str) -> None:
+        """Drop `run_id` from its shared base; the last run out closes the base."""
+        for key, base in list(self._bases.items()):
+            if run_id not in base.runs:
+                continue
+            async with self._locks.setdefault(f"base:{key}", asyncio.Lock()):
+                base.runs.discard(run_id)
+                if not base.runs and self._bases.get(key) is base:
+                    del self._bases[key]
+                    await base.serving.backend.close()
+                    logger.info("closed the shared base %s (no LoRA run left on it)", key[1])
+
+    def shared_bases(self) -> dict[Path, set[str]]:
+        """Base model directory -> the LoRA runs it serves now."""
+        return {key[1]: set(b.runs) for key, b in self._bases.items()}
+
+    def _load(self, model_dir: Path, backend: str, version: int, ckpt: Path | None) -> RunServing:
+        # Serve the newest checkpoint directly, so a restarted gateway resumes at its version.
+        source = ckpt if ckpt is not None else model_dir
+        if not source.is_dir():
+            raise OSError(f"checkpoint {source} of version {version} is missing")
+        template = ChatTemplate(model_dir)
+        be = registry.get(backend).load_local(
+            source,
+            version,
+            max_batch_size=self.max_batch_size,
+            decode=template.decode,
+            threads=self.threads,
+        )
+        logger.info("loaded %s (version %d) for serving", source, version)
+        return RunServing(be, template, be.max_context)
+
+    async def replica_urls(self, run_id: str) -> list[str]:
+        from core.store.replicas import replica_urls
+
+        if self.sessions is None:
+            return []
+        async with self.sessions() as s:
+            return await replica_urls(s, run_id)
+
+    async def _load_remote(
+        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+    ) -> RunServing:
+        """A ReplicaSet over the run's servers, brought to `version` before it serves.
+
+        A server registered with a run is assumed to serve the run's base model
+        (version 0); if the run is further along, the set loads `ckpt` first.
+        """
+        urls = await self.replica_urls(run_id)
+        if not urls:
+            raise ValueError(
+                f"run {run_id} has no {backend} replica: register one with "
+                f"POST /admin/v1/runs/{run_id}/replicas or `rlgate inference serve --run`"
+            )
+        template = await asyncio.to_thread(ChatTemplate, model_dir)
+        max_context = await asyncio.to_thread(_model_context, model_dir)
+        kind = registry.get(backend)
+        members = [(url, kind.connect_to(url, credentials=self.credentials), url) for url in urls]
+        replicas = ReplicaSet(members, self.replica_config)
+        try:
+            for _, be, _ in members:
+                info = getattr(be, "server_info", None)
+                if info is not None:  # the server's own limit (vLLM --max-model-len) may be lower
+                    try:
+                        max_context = min(max_context, (await info())[1] or max_context)
+                        break
+                    except Exception as exc:  # a down replica: ask the next one
+                        logger.warning("%s: %s", be, exc)
+            # from the trainer, if it offers the version
+            source = weights_source(ckpt, version) if version > 0 and ckpt is not None else None
+            if self.barrier is not None:  # other gateway processes may serve these servers
+                await self.barrier.join(run_id, replicas, source, version)
+            elif source is not None:
+                await replicas.load_weights(source, version)
+        except BaseException:
+            await replicas.close()
+            raise
+        replicas.start()
+        logger.info("run %s: %d %s replica(s) at v%d", run_id, len(urls), backend, version)
+        return RunServing(replicas, template, max_context)
+
+    def _replica_set(self, run_id: str) -> ReplicaSet | None:
+        """The loaded run's replica set, also behind a remote LoRA run's adapter view."""
+        serving = self._serving.get(run_id)
+        backend = None if serving is None else serving.backend
+        if isinstance(backend, AdapterView):
+            backend = backend.backend
+        return backend if isinstance(backend, ReplicaSet) else None
+
+    async def add_replica(self, run_id: str, kind: str, url: str) -> None:
+        """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
+        replicas = self._replica_set(run_id)
+        if replicas is not None:
+            backend = registry.get(kind).connect_to(url, credentials=self.credentials)
+            await replicas.add_replica(url, backend, url)
+
+    async def remove_replica(self, run_id: str, url: str) -> None:
+        """Drain and drop a server from a loaded run; the last one unloads the run."""
+        replicas = self._replica_set(run_id)
+        if replicas is None:
+            return
+        names = {r["name"] for r in replicas.replica_status()}
+        if url not in names:
+            return
+        if len(names) == 1:
+            await self.unload(run_id)
+        else:
+            await replicas.remove_replica(url)
+
+    def backend_threads(self) -> dict[str, int]:
+        """Run id -> torch threads its in-process backend samples on (remote runs: absent)."""
+        found = {}
+        for run_id, serving in self._serving.items():
+            n = getattr(serving.backend, "torch_threads", None)
+            if n is not None:
+                found[run_id] = int(n)
+        return found
+
+    def replica_status(self, run_id: str) -> list[dict] | None:
+        """Per replica: name, url, healthy, loading, version, outstanding... (None: not loaded)."""
+        replicas = self._replica_set(run_id)
+        return None if replicas is None else replicas.replica_status()
+
+    async def unload(self, run_id: str) -> None:
+        """Stop serving the run; a LoRA run unloads only its adapter from the shared base."""
+        serving = self._serving.pop(run_id, None)
+        try:
+            if serving is not None:
+                await serving.backend.close()
+        finally:
+            await self._release_base(run_id)
+            if self.barrier is not None:
+                await self.barrier.leave(run_id)
+
+    async def close(self) -> None:
+        for run_id in list(self._serving):
+            await self.unload(run_id)

@@ -1,0 +1,331 @@
+"""Decide when a run trains, enqueue the step, and hot-swap finished versions into serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from celery import Celery
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from core.store.episodes import (
+    apply_batch_decision,
+    batch_snapshot,
+    mark_queued,
+    release_step_episodes,
+)
+from core.store.models import Run, TrainStep, as_utc
+from core.store.runs import active_run_ids, checkpoint_of, claim_signature, lock_run_for_claim
+from core.store.status import StepStatus
+from core.store.steps import delete_step, step_busy, step_in_flight
+from gateway.control.backends import BackendPool, RunServing
+from gateway.control.batch_policy import BatchConfig, BatchDecision, Verdict, select_batch
+from gateway.control.leader import AdvisoryLockLeader, SoleLeader
+from inference import registry
+from inference.replicas import ReplicaSet
+from inference.weight_sync import weights_source
+from trainer.config import RunConfig
+from trainer.submit import submit_train_step
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # per step, before the run is marked failed
+# A dry pass is repeated at least this often even if nothing it watches changed (a safety
+# net for edits the signature does not see, such as an operator's hand in the database).
+IDLE_RESCAN_S = 60.0
+
+
+class TrainingScheduler:
+    """Enqueues at most one step per run at a time, as soon as a full batch is ready.
+
+    The step row (run, step) is the lock: its primary key makes a second
+    enqueue of the same step fail, and its status says whether one is in flight.
+
+    A full pass (`_decide`) reads every open episode of the run under the
+    claim's lock, lets `batch_policy.select_batch` judge them and stores the
+    verdicts. A pass that found nothing to train records the run's signature
+    (status, version, rewarded episodes) and the first moment the clock alone
+    would change a verdict (an open episode expiring, a waiting group timing
+    out). While the signature is unchanged, later passes skip the full read
+    until that moment (at least `full_scan_s` after the pass, at most
+    `IDLE_RESCAN_S`). New rewards, a new version or a resumed run change the
+    signature and are acted on at the next pass. New open episodes do not:
+    alone they never make a step. So a run with thousands of agents mid-episode
+    and nothing to train costs two indexed reads a pass, not a read of every
+    open episode every `full_scan_s`.
+
+    Only the leader among the gateway processes sharing the store schedules
+    (`gateway.control.leader`); in the others `maybe_schedule` does nothing.
+    """
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        celery: Celery,
+        step_timeout_s: float = 1800.0,
+        full_scan_s: float = 2.0,
+        leader: SoleLeader | AdvisoryLockLeader | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.leader = leader or SoleLeader()
+        self.celery = celery
+        self.step_timeout_s = step_timeout_s
+        self.full_scan_s = full_scan_s
+        self._locks: dict[str, asyncio.Lock] = {}
+        # run -> (signature, when, until) of a dry pass: skip passes until `until` (monotonic)
+        self._idle: dict[str, tuple[tuple, float, float]] = {}
+        self.full_passes = 0  # a figure for tests: passes that read the whole batch
+
+    async def maybe_schedule(self, run_id: str) -> int | None:
+        if not self.leader.is_leader:
+            return None  # another gateway process schedules
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            try:
+                claim = await self._claim(run_id)
+            except IntegrityError:
+                return None  # another gateway process claimed this step
+            if claim is None:
+                return None
+            step, resend = claim
+            try:
+                await asyncio.to_thread(submit_train_step, self.celery, run_id, step)
+            except Exception:
+                logger.exception("could not enqueue step %d of %s", step, run_id)
+                if not resend:
+                    await self._release(run_id, step)
+                return None
+            logger.info("enqueued step %d of run %s", step, run_id)
+            return step
+
+    async def _claim(self, run_id: str) -> tuple[int, bool] | None:
+        """(step, resend): a new step to enqueue, or an in-flight one whose task went quiet.
+
+        A step queued or running for longer than `step_timeout_s` is sent
+        again under the same task id (its worker may have died: the embedded
+        broker has already consumed the message). The task is idempotent, so
+        a slow but alive first attempt and the resend cannot both bump the version.
+        """
+        now = datetime.now(UTC)
+        # A look without the lock first: while a step is in flight (most passes, and every
+        # reward posted meanwhile) there is nothing to claim, and taking the write lock on
+        # each pass would starve the trainer's own commit of that step.
+        async with self.sessions() as s:
+            if await step_busy(s, run_id, now - timedelta(seconds=self.step_timeout_s)):
+                return None
+            signature = await claim_signature(s, run_id)
+        idle = self._idle.get(run_id)
+        if idle and idle[0] == signature and time.monotonic() < idle[2]:
+            return None  # nothing changed since a pass that found nothing
+        self._idle.pop(run_id, None)
+        async with self.sessions.begin() as s:
+            run = await lock_run_for_claim(s, run_id)  # one consistent view, see there
+            if run is None or run.status != "active":
+                return None
+            flight = await step_in_flight(s, run_id)
+            if flight is not None:
+                since = as_utc(flight.enqueued_at or flight.created_at)
+                if (now - since).total_seconds() < self.step_timeout_s:
+                    return None
+                flight.enqueued_at = now
+                flight.metrics = {
+                    **(flight.metrics or {}),
+                    "resent": (flight.metrics or {}).get("resent", 0) + 1,
+                }
+                logger.warning(
+                    "step %d of run %s went quiet; sending it again", flight.step, run_id
+                )
+                return flight.step, True
+            decision = await self._decide(s, run)
+            if not decision.chosen:
+                self._idle[run_id] = (signature, *self._skip_window(decision, now))
+                return None
+            batch = decision.episode_ids
+            step = run.current_version
+            n_groups = len({g.train_group_id for g in decision.chosen})
+            row = await s.get(TrainStep, (run_id, step))
+            if row is None:
+                row = TrainStep(run_id=run_id, step=step, metrics={"attempts": 1})
+                s.add(row)
+            elif row.status != StepStatus.FAILED:
+                # Cannot happen under the claim's lock (the step of the current version is
+                # either missing, failed or in flight); kept as a guard: never re-queue a row
+                # the trainer may own.
+                return None
+            else:  # a failed attempt: retry it with a fresh batch, counting attempts per step
+                attempts = int((row.metrics or {}).get("attempts", 1))
+                if attempts >= MAX_ATTEMPTS:
+                    run.status = "failed"
+                    logger.error("run %s: step %d failed %d times", run_id, step, attempts)
+                    return None
+                # keep the last failure visible while the step is retried
+                row.metrics = {"attempts": attempts + 1, "last_error": row.error}
+            row.enqueued_at = now
+            row.status, row.n_episodes, row.n_groups, row.error = (
+                StepStatus.QUEUED,
+                len(batch),
+                n_groups,
+                None,
+            )
+            await s.flush()
+            await mark_queued(s, run_id, batch, step, Verdict.CHOSEN)
+            return step, False
+
+    def _skip_window(self, decision: BatchDecision, now: datetime) -> tuple[float, float]:
+        """(when, until) in monotonic seconds: passes with an unchanged signature skip the
+        full read until the clock changes a verdict, within [full_scan_s, IDLE_RESCAN_S]."""
+        passed = time.monotonic()
+        wait_s = IDLE_RESCAN_S
+        if decision.next_change is not None:
+            wait_s = min(wait_s, (decision.next_change - now).total_seconds())
+        return passed, passed + max(self.full_scan_s, wait_s)
+
+    async def _decide(self, s: AsyncSession, run: Run) -> BatchDecision:
+        """One full pass: read the pending episodes, judge them, store the verdicts.
+
+        The expiries and drops are stored even when nothing trains yet.
+        """
+        self.full_passes += 1
+        cfg = BatchConfig.from_run_config(RunConfig.model_validate(run.config))
+        snapshot = await batch_snapshot(s, run.id)
+        decision = select_batch(snapshot, run.current_version, datetime.now(UTC), cfg)
+        await apply_batch_decision(
+            s,
+            run,
+            expired=decision.expired,
+            dropped=decision.dropped,
+            regrouped=decision.regrouped,
+            counters=decision.counters,
+        )
+        return decision
+
+    async def _release(self, run_id: str, step: int) -> None:
+        async with self.sessions.begin() as s:
+            await release_step_episodes(s, run_id, step)
+            await delete_step(s, run_id, step)
+
+    async def active_runs(self) -> list[str]:
+        async with self.sessions() as s:
+            return await active_run_ids(s)
+
+
+class WeightSync:
+    """Brings every loaded backend to its run's newest version.
+
+    Ordering contract: the trainer commits version N+1 (checkpoint written,
+    `runs.current_version` bumped, step marked done) in one transaction before
+    anything here sees it. This loop then calls `backend.load_weights`, which
+    lets in-flight generations finish on version N and starts every later one
+    on N+1; each stored completion records the version its backend reported,
+    i.e. the one that sampled all of its tokens. Between the commit and the
+    load, new completions are still sampled by N (at most one version behind;
+    the staleness bound counts them like any other sample).
+
+    For vllm/sglang runs the backend is a `ReplicaSet`: its `load_weights`
+    rolls N+1 across the servers one at a time (the others keep serving), and
+    each server drains before it reloads (`inference/http_backend.py`), so the
+    guarantee above holds per server; until the roll ends, completions from
+    different servers may carry N or N+1, each labelled with its own.
+
+    For a LoRA run the backend is the run's `AdapterView` on the shared base
+    (`gateway.control.backends`): its `load_weights` is `load_adapter` of the
+    run's adapter only, with the same ordering; the base and every other run's
+    adapter are untouched.
+
+    Every gateway process runs its own `WeightSync` on its own backends; only
+    the leader's loop also schedules training (`gateway.control.leader`).
+    On PostgreSQL, where other processes may hold clients of the same servers,
+    a remote run swaps through the pool's `SwapBarrier` instead
+    (`gateway.control.swap_barrier`): every process drains, one reloads each
+    server once, and all label with the version the server holds. Each run's
+    swap then runs in a task of its own, so that a swap waiting for the other
+    processes never keeps this process from noticing another run's (two
+    processes each waiting on the run the other has not yet looked at would
+    wait forever). LoRA runs still swap their adapter per process (the gap in
+    docs/deployment.md).
+    """
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        pool: BackendPool,
+        scheduler: TrainingScheduler,
+        interval_s: float,
+    ) -> None:
+        self.sessions = sessions
+        self.pool = pool
+        self.scheduler = scheduler
+        self.interval_s = interval_s
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # barrier swaps under way, per run
+
+    async def sync_once(self) -> None:
+        if getattr(self.pool, "barrier", None) is not None:
+            self._start_barrier_syncs()
+            return
+        for run_id, serving in self.pool.loaded().items():
+            try:
+                await self._sync_run(run_id, serving)
+            except Exception:  # one run's failed load must not stop the others
+                logger.exception("hot swap for run %s failed; will retry", run_id)
+
+    def _start_barrier_syncs(self) -> None:
+        for run_id, serving in self.pool.loaded().items():
+            if run_id not in self._tasks:
+                task = asyncio.create_task(
+                    self._sync_logged(run_id, serving), name=f"swap-{run_id}"
+                )
+                self._tasks[run_id] = task
+                task.add_done_callback(lambda _, run_id=run_id: self._tasks.pop(run_id, None))
+
+    async def _sync_logged(self, run_id: str, serving: RunServing) -> None:
+        try:
+            await self._sync_run(run_id, serving)
+        except Exception:
+            logger.exception("hot swap for run %s failed; will retry", run_id)
+
+    async def _sync_run(self, run_id: str, serving: RunServing) -> None:
+        barrier = getattr(self.pool, "barrier", None)
+        if barrier is not None and isinstance(serving.backend, ReplicaSet):
+            await barrier.check(run_id, serving.backend)  # its lock held, or taken again
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None or run.current_version <= serving.backend.version:
+                return
+            target = run.current_version
+            ckpt = await checkpoint_of(s, run_id, target)
+            remote = registry.get(run.backend).remote
+        if ckpt is None:
+            return
+        # a remote run's trainer may offer the version over a collective (weight_sync)
+        source = weights_source(Path(ckpt), target) if remote else Path(ckpt)
+        if barrier is not None and isinstance(serving.backend, ReplicaSet):
+            await barrier.swap(run_id, serving.backend, source, target)
+            if serving.backend.version < target:
+                return  # some server did not load it; retried after the barrier's retry_s
+        else:
+            await serving.backend.load_weights(source, target)
+        logger.info("run %s now serves version %d", run_id, target)
+
+    async def run_forever(self) -> None:
+        try:
+            await self._loop()
+        finally:
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+                if self.scheduler.leader.is_leader:
+                    for run_id in await self.scheduler.active_runs():
+                        await self.scheduler.maybe_schedule(run_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("weight sync pass failed; retrying")
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,1 @@
+"""ASGI middleware and the checks it runs: identity, body limits, quotas, overload."""

@@ -1,0 +1,1 @@
+"""`rlgate bench ...`: one module per command, and what they share."""

@@ -1,0 +1,201 @@
+"""`rlgate bench tenants`: what one more LoRA run costs the gateway, and its hot swap.
+
+Memory: a real gateway (and worker) on the embedded stack serves 1, then 8
+LoRA runs on one base model (rank `--rank`, the default target modules),
+each answering a request; one of them then trains a step and hot-swaps its
+adapter. The gateway's resident memory (VmRSS) is read after the first run
+answered and after all of that; `memory_ratio` = the growth / the bytes of
+one full copy of the model's weights (float32), i.e. what the 7 extra runs
+cost as a fraction of giving each its own model. Runs still at version 0
+serve the base model itself and hold no adapter yet, so the measured growth
+is the runs' own overhead plus one trained adapter;
+`memory_ratio_all_trained` adds the adapter bytes the other runs would hold
+once each had trained (`(runs - 1) x adapter / model`, the docs/lora.md arithmetic).
+
+Swap: in this process, one `LocalBackend` on the same base times
+`load_adapter` (the trained adapter, what a LoRA run's hot swap does) against
+`load_weights` (a full checkpoint, what a full fine-tune's hot swap does):
+the call, which returns once every later batch uses the new weights; medians
+of `--repeats`. `swap_ratio` = adapter swap / full swap. The last printed
+line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rlgate.bench import dirs as bench_dirs
+
+ADMIN_KEY = "bench-tenants-admin-key"
+PROMPT = [{"role": "user", "content": "Pick a number from 1 to 5."}]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default="smollm2", help="tiny, smollm2 or a local HF directory")
+    p.add_argument("--runs", type=int, default=8, help="LoRA runs served at the end")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5, help="swaps timed, of each kind")
+    bench_dirs.add_dir_arguments(p, "the stack's data dir (checkpoints) and logs")
+    return p
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _ask(run: dict, episode: str, temperature: float = 0.0) -> str:
+    import openai
+
+    root = run["base_url"].removesuffix("/v1")
+    agent = openai.OpenAI(base_url=f"{root}{episode}/v1", api_key=run["api_key"], max_retries=0)
+    reply = agent.chat.completions.create(
+        model=run["name"], messages=PROMPT, max_tokens=8, temperature=temperature
+    )
+    return reply.id
+
+
+def _train_one_step(admin, run: dict, group_size: int) -> None:
+    """Rewarded groups (reward: the answer's position in the group) until v1 is served."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {run['api_key']}"}
+    for wave in range(20):
+        for e in range(group_size):
+            cid = _ask(run, f"/groups/w{wave}/episodes/w{wave}-{e}", temperature=1.0)
+            body = {"completion_id": cid, "reward": float(e)}
+            httpx.post(run["base_url"] + "/rewards", json=body, headers=headers).raise_for_status()
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if admin.get(f"/admin/v1/runs/{run['run_id']}").json()["served_version"] == 1:
+                return
+            time.sleep(0.5)
+    raise RuntimeError(f"run {run['run_id']} never served version 1")
+
+
+def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path) -> dict:
+    """Gateway RSS with one LoRA run served, then with `args.runs` served and one trained."""
+    import httpx
+
+    from core.settings import Settings
+    from rlgate.stack import stack_processes
+
+    settings = Settings(
+        data_dir=work / "data",
+        admin_key=ADMIN_KEY,
+        dev_mode=False,
+        model_cache_dir=cache.resolve(),
+        sync_interval_s=0.2,
+    )
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    config = {"lora_rank": args.rank, "group_size": 2, "groups_per_step": 1, "micro_batch_size": 2}
+    with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as (url, gateway):
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=600) as admin:
+            runs = []
+            for i in range(args.runs):
+                body = {"name": f"tenant-{i}", "model": args.model, "config": config}
+                runs.append(admin.post("/admin/v1/runs", json=body).raise_for_status().json())
+                _ask(runs[-1], f"/episodes/first-{i}")
+                if i == 0:
+                    one = rss_bytes(gateway.pid)
+                    print(f"1 LoRA run served: gateway RSS {one / 1e6:.0f} MB", flush=True)
+            _train_one_step(admin, runs[0], config["group_size"])
+            for i, run in enumerate(runs):
+                _ask(run, f"/episodes/again-{i}")
+            many = rss_bytes(gateway.pid)
+    print(f"{args.runs} LoRA runs served, one trained: gateway RSS {many / 1e6:.0f} MB")
+    return {"rss_1_run": one, f"rss_{args.runs}_runs": many, "rss_growth": many - one}
+
+
+async def _timed_swap(backend, swap, adapter: str | None, version: int) -> float:
+    """Seconds the swap call takes: when it returns, every later batch uses the new weights.
+
+    One request after it checks that they serve (not timed: it costs the same either way).
+    """
+    from inference.types import GenerateRequest, SamplingParams
+
+    t0 = time.perf_counter()
+    await swap
+    seconds = time.perf_counter() - t0
+    request = GenerateRequest([1, 2, 3, 4], SamplingParams(max_tokens=1), adapter=adapter)
+    if (await backend.generate(request)).policy_version != version:
+        raise RuntimeError("the swapped weights do not serve")
+    return seconds
+
+
+async def measure_swaps(base: Path, adapter: Path, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of `repeats` adapter swaps and `repeats` full-weight swaps on one backend,
+    after one untimed swap of each (both files then come from the page cache, as a
+    checkpoint the trainer has just written does)."""
+    from inference.local import LocalBackend
+
+    backend = LocalBackend(base, batch_wait_s=0.0)
+    try:
+        adapters, fulls = [], []
+        for v in range(repeats + 1):
+            a = await _timed_swap(backend, backend.load_adapter("run", adapter, v), "run", v)
+            f = await _timed_swap(backend, backend.load_weights(base, v), None, v)
+            if v > 0:
+                adapters.append(a)
+                fulls.append(f)
+        return adapters, fulls
+    finally:
+        await backend.close()
+
+
+def model_bytes(model_dir: Path) -> int:
+    """Bytes of one float32 copy of the model's weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def run(args: argparse.Namespace) -> int:
+    from inference.models import resolve_model
+
+    cache = bench_dirs.model_cache(args.cache_dir)
+    base = resolve_model(args.model, cache)
+    with bench_dirs.work_dir("tenants", args.work_dir) as work:
+        memory = measure_memory(args, base, cache, work)
+        adapter = next((work / "data" / "checkpoints").glob("*/v1"))
+        adapters, fulls = asyncio.run(measure_swaps(base, adapter, args.repeats))
+        adapter_size = sum(f.stat().st_size for f in adapter.glob("adapter_*"))
+    full_bytes = model_bytes(base)
+    adapter_s, full_s = statistics.median(adapters), statistics.median(fulls)
+    result: dict[str, Any] = {
+        "bench": "tenants",
+        "model": args.model,
+        "runs": args.runs,
+        "rank": args.rank,
+        **memory,
+        "model_bytes": full_bytes,
+        "adapter_bytes": adapter_size,
+        "memory_ratio": memory["rss_growth"] / full_bytes,
+        "memory_ratio_all_trained": (memory["rss_growth"] + (args.runs - 2) * adapter_size)
+        / full_bytes,
+        "adapter_swap_s": adapter_s,
+        "full_swap_s": full_s,
+        "swap_ratio": adapter_s / full_s,
+        "repeats": args.repeats,
+    }
+    print(
+        f"{args.runs - 1} extra LoRA runs: {memory['rss_growth'] / 1e6:.0f} MB = "
+        f"{result['memory_ratio']:.1%} of one model ({full_bytes / 1e6:.0f} MB); "
+        f"adapter swap {adapter_s * 1e3:.0f} ms vs full swap {full_s * 1e3:.0f} ms: "
+        f"ratio {result['swap_ratio']:.3f}"
+    )
+    print(json.dumps(result))
+    return 0

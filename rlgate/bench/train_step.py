@@ -1,0 +1,247 @@
+"""`rlgate bench train`'s `step_ratio`: a train step through the worker against a bare loop.
+
+The worker side is the real code path of a train step: a SQLite store holding
+a run with 16 rewarded completions per step (4 groups of 4 episodes, one
+completion each, prompt and output lengths of a short chat task; a group's
+episodes answer one prompt, as GRPO's do), and
+`trainer.tasks.Trainer.train_step`, which reads the step's episodes, builds
+the token-exact samples and advantages, runs `LocalEngine.step`, writes the
+checkpoint of version N+1 and commits the version bump. Steps after the first
+find the engine warm (model and AdamW resident), as a worker does.
+
+The baseline is what a user would write by hand: the same samples (read once
+from the store the way the worker reads them), the same model directory,
+float32, AdamW with the run's learning rate and weight decay, the run's
+micro-batch size, a clipped PPO loss over full-sequence logits, gradient
+clipping, one optimizer step, and no checkpoint. Both run in this process on
+the same torch thread count, interleaved step by step; the first step of each
+(loading and warm-up) is reported apart and the median of the rest is compared.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported only when the bench runs
+    from trainer.batch import Sample
+    from trainer.config import RunConfig
+
+RUN_ID = "bench-step"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step trains: `groups` x `group_size` completions of these lengths."""
+
+    groups: int = 4
+    group_size: int = 4
+    prompt_len: tuple[int, int] = (40, 80)  # a short chat-templated task
+    output_len: tuple[int, int] = (8, 16)  # max_tokens 16, some stop early
+
+    @property
+    def completions(self) -> int:
+        return self.groups * self.group_size
+
+
+def seed_store(
+    url: str,
+    model_dir: Path,
+    cfg: RunConfig,
+    steps: int,
+    shape: StepShape,
+    run_id: str = RUN_ID,
+    *,
+    seed: int = 0,
+) -> None:
+    """A run at version 0 with `steps` queued train steps, each with the same token content.
+
+    Runs seeded with the same `seed` train the same tokens, whatever their `run_id`.
+    """
+    from sqlalchemy.orm import sessionmaker
+
+    from core.store.db import make_sync_engine
+    from core.store.migrate import upgrade
+    from core.store.models import Completion, Episode, PolicyVersion, Reward, Run, TrainStep
+    from core.store.status import EpisodeStatus, StepStatus
+
+    upgrade(url)
+    vocab = _vocab_size(model_dir)
+    engine = make_sync_engine(url)
+    now = datetime.now(UTC)
+    with sessionmaker(engine).begin() as s:
+        s.add(
+            Run(
+                id=run_id,
+                name=run_id,
+                model=str(model_dir),
+                model_path=str(model_dir),
+                config=cfg.model_dump(mode="json"),
+            )
+        )
+        s.flush()  # no ORM relationships: the run row must exist before rows that refer to it
+        s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
+        for step in range(steps):
+            rng = random.Random(seed)  # every step trains the same tokens
+            s.add(
+                TrainStep(
+                    run_id=run_id,
+                    step=step,
+                    status=StepStatus.QUEUED,
+                    n_episodes=shape.completions,
+                    n_groups=shape.groups,
+                )
+            )
+            s.flush()
+            for g in range(shape.groups):
+                # a GRPO group: one prompt, group_size answers to it
+                prompt = [rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_len))]
+                for e in range(shape.group_size):
+                    episode = f"{run_id}-s{step}-g{g}-e{e}"
+                    reward = float(rng.random() < 0.5) if e else float(g % 2)  # mixed groups
+                    s.add(
+                        Episode(
+                            run_id=run_id,
+                            id=episode,
+                            group_id=f"{run_id}-s{step}-g{g}",
+                            status=EpisodeStatus.QUEUED,
+                            reward=reward,
+                            train_step=step,
+                            rewarded_at=now,
+                        )
+                    )
+                    s.flush()  # the completion refers to its episode
+                    n_out = rng.randint(*shape.output_len)
+                    s.add(
+                        Completion(
+                            id=f"c-{episode}",
+                            run_id=run_id,
+                            episode_id=episode,
+                            messages=[],
+                            prompt_token_ids=prompt,
+                            output_token_ids=[rng.randrange(vocab) for _ in range(n_out)],
+                            output_logprobs=[-rng.uniform(0.5, 4.0) for _ in range(n_out)],
+                            content="",
+                            finish_reason="length",
+                            temperature=1.0,
+                            policy_version=step,
+                        )
+                    )
+                    s.add(Reward(run_id=run_id, episode_id=episode, value=reward))
+    engine.dispose()
+
+
+def _vocab_size(model_dir: Path) -> int:
+    import json
+
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+class BareLoop:
+    """A hand-written forward/backward/AdamW step over the same samples, nothing else."""
+
+    def __init__(self, model_dir: Path, cfg: RunConfig) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        )
+
+    def step(self, samples: list[Sample]) -> float:
+        import torch
+
+        from trainer.batch import collate
+
+        cfg = self.cfg
+        n_tokens = max(1, sum(sum(s.loss_mask[1:]) for s in samples))
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(0, len(samples), cfg.micro_batch_size):
+            b = collate(samples[i : i + cfg.micro_batch_size], self.pad_id)
+            logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            logp = torch.log_softmax(logits[:, :-1] / b.temperatures[:, 1:, None], dim=-1)
+            logp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
+            ratio = torch.exp((logp - b.old_logprobs[:, 1:]).clamp(-20, 20))
+            adv = b.advantages[:, 1:]
+            clipped = ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+            pg = -torch.minimum(ratio * adv, clipped * adv)
+            loss = (pg * b.loss_mask[:, 1:]).sum() / n_tokens
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        return total
+
+
+def bench_step_ratio(model_dir: Path, work: Path, threads: int, repeats: int) -> dict[str, Any]:
+    """Seconds of a warm worker step and of a bare step (medians of `repeats`) and their ratio."""
+    import torch
+    from sqlalchemy.orm import sessionmaker
+
+    from core.settings import Settings
+    from core.store.db import make_sync_engine
+    from core.store.models import TrainStep
+    from trainer.batch import load_step_samples
+    from trainer.config import RunConfig
+    from trainer.tasks import Trainer
+
+    torch.set_num_threads(threads)
+    shape = StepShape()
+    cfg = RunConfig(group_size=shape.group_size, groups_per_step=shape.groups)
+    settings = Settings(data_dir=work / "data", trainer_threads=threads, dev_mode=True)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url
+    seed_store(url, model_dir, cfg, repeats + 1, shape)
+    db = make_sync_engine(url)
+    with sessionmaker(db)() as s:
+        samples, *_ = load_step_samples(s, RUN_ID, 0, cfg)
+    db.dispose()
+
+    trainer = Trainer(settings)
+    bare = BareLoop(model_dir, cfg)
+    worker_s: list[float] = []
+    engine_s: list[float] = []
+    bare_s: list[float] = []
+    for step in range(repeats + 1):  # interleaved, so drift on the machine hits both alike
+        t0 = time.perf_counter()
+        trainer.train_step(RUN_ID, step)
+        worker_s.append(time.perf_counter() - t0)
+        with trainer.sessions() as s:
+            engine_s.append(float(s.get(TrainStep, (RUN_ID, step)).metrics["train_seconds"]))
+        t0 = time.perf_counter()
+        bare.step(samples)
+        bare_s.append(time.perf_counter() - t0)
+    trainer.sessions.kw["bind"].dispose()
+
+    worker, bare_med = statistics.median(worker_s[1:]), statistics.median(bare_s[1:])
+    engine = statistics.median(engine_s[1:])
+    tokens = sum(len(s.input_ids) for s in samples)
+    print(
+        f"step ({shape.completions} completions, {tokens} tokens, float32, "
+        f"{torch.get_num_threads()} torch threads, median of {repeats} warm steps):"
+    )
+    print(
+        f"  worker: {worker:.3f} s (engine step {engine:.3f} s, store + checkpoint "
+        f"{worker - engine:.3f} s; first step {worker_s[0]:.2f} s with loading)"
+    )
+    print(f"  bare transformers loop: {bare_med:.3f} s (first step {bare_s[0]:.2f} s)")
+    print(f"  step_ratio: {worker / bare_med:.2f}")
+    return {
+        "step_completions": shape.completions,
+        "step_tokens": tokens,
+        "step_threads": torch.get_num_threads(),
+        "worker_step_s": worker,
+        "worker_engine_s": engine,
+        "bare_step_s": bare_med,
+        "step_ratio": worker / bare_med,
+    }
