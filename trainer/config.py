@@ -87,7 +87,11 @@ class RunConfig(BaseModel):
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1")
     clip_eps_high: float = Field(0.2, gt=0, description="PPO clip above 1 (DAPO raises it)")
     adv_eps: float = Field(1e-6, gt=0, description="added to the group std")
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="samples per padded micro-batch; None: min(8, group_size x groups_per_step)",
+    )
     loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
     constant_normaliser: int | None = Field(
         None, ge=1, description="tokens per sequence for loss_agg='constant' (Dr.GRPO)"
@@ -190,7 +194,7 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.micro_batch_size > self.group_size * self.groups_per_step:
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ValueError("micro_batch_size exceeds the batch: lower micro_batch_size")
         if (
             self.reward_min is not None
@@ -238,6 +242,19 @@ class RunConfig(BaseModel):
             for m in self.lora_target_modules
         ):
             raise ValueError("lora_target_modules takes module names such as 'q_proj'")
+
+    @property
+    def batch_size(self) -> int:
+        """Samples in one step: `group_size` x `groups_per_step`."""
+        return self.group_size * self.groups_per_step
+
+    @property
+    def micro_batch(self) -> int:
+        """`micro_batch_size`, or when left unset the batch itself capped at 8, so that the
+        default never exceeds the batch of a small run."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return min(8, self.batch_size)
 
     @property
     def lora(self) -> bool:

@@ -269,7 +269,7 @@ class Engine(ABC):
 
     def micro_batches(self, mine: list[Sample]) -> list[list[Sample]]:
         """This rank's samples cut into micro-batches: padded groups of `micro_batch_size`."""
-        return padded_groups(mine, self.cfg.micro_batch_size)
+        return padded_groups(mine, self.cfg.micro_batch)
 
     def all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """`values` combined over every rank (one rank: as they are)."""

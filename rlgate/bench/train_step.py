@@ -166,8 +166,8 @@ class BareLoop:
         n_tokens = max(1, sum(sum(s.loss_mask[1:]) for s in samples))
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for i in range(0, len(samples), cfg.micro_batch_size):
-            b = collate(samples[i : i + cfg.micro_batch_size], self.pad_id)
+        for i in range(0, len(samples), cfg.micro_batch):
+            b = collate(samples[i : i + cfg.micro_batch], self.pad_id)
             logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             logp = torch.log_softmax(logits[:, :-1] / b.temperatures[:, 1:, None], dim=-1)
             logp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
@@ -223,9 +223,11 @@ def bench_step_ratio(model_dir: Path, work: Path, threads: int, repeats: int) ->
         bare_s.append(time.perf_counter() - t0)
     trainer.sessions.kw["bind"].dispose()
 
-    worker, bare_med = statistics.median(worker_s[1:]), statistics.median(bare_s[1:])
-    engine = statistics.median(engine_s[1:])
     tokens = sum(len(s.input_ids) for s in samples)
+    shape_figures = {"step_completions": shape.completions, "step_tokens": tokens}
+    threads_used = {"step_threads": torch.get_num_threads()}
+    result = step_figures(worker_s, engine_s, bare_s, shape_figures | threads_used)
+    worker, engine = result["worker_step_s"], result["worker_engine_s"]
     print(
         f"step ({shape.completions} completions, {tokens} tokens, float32, "
         f"{torch.get_num_threads()} torch threads, median of {repeats} warm steps):"
@@ -234,14 +236,19 @@ def bench_step_ratio(model_dir: Path, work: Path, threads: int, repeats: int) ->
         f"  worker: {worker:.3f} s (engine step {engine:.3f} s, store + checkpoint "
         f"{worker - engine:.3f} s; first step {worker_s[0]:.2f} s with loading)"
     )
-    print(f"  bare transformers loop: {bare_med:.3f} s (first step {bare_s[0]:.2f} s)")
-    print(f"  step_ratio: {worker / bare_med:.2f}")
-    return {
-        "step_completions": shape.completions,
-        "step_tokens": tokens,
-        "step_threads": torch.get_num_threads(),
+    print(f"  bare transformers loop: {result['bare_step_s']:.3f} s (first step {bare_s[0]:.2f} s)")
+    print(f"  step_ratio: {result['step_ratio']:.2f}")
+    return result
+
+
+def step_figures(
+    worker_s: list[float], engine_s: list[float], bare_s: list[float], shape: dict[str, Any]
+) -> dict[str, Any]:
+    """The `step_ratio` part of the bench's JSON from each step's seconds (the first is warm-up)."""
+    worker, bare = statistics.median(worker_s[1:]), statistics.median(bare_s[1:])
+    return shape | {
         "worker_step_s": worker,
-        "worker_engine_s": engine,
-        "bare_step_s": bare_med,
-        "step_ratio": worker / bare_med,
+        "worker_engine_s": statistics.median(engine_s[1:]),
+        "bare_step_s": bare,
+        "step_ratio": worker / bare,
     }
