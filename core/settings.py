@@ -7,19 +7,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inference.replicas import ReplicaConfig
-from trainer.config import QueueConfig
-from trainer.metrics_sinks import MetricsSinkConfig
-from trainer.resident_node import NodeSpec
-
-if TYPE_CHECKING:  # the web app's module; a worker building Settings never imports it
-    from gateway.middleware.overload import OverloadConfig
-    from inference.http_common import ServerCredentials
+from core.config import (
+    MetricsSinkConfig,
+    NodeSpec,
+    OverloadConfig,
+    QueueConfig,
+    ReplicaConfig,
+    ServerCredentials,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +299,6 @@ class Settings(BaseSettings):
 
     def server_credentials(self) -> ServerCredentials:
         """What the gateway presents to inference servers and the trainer's weight server."""
-        from inference.http_common import ServerCredentials  # aiohttp: only when asked
-
         return ServerCredentials(self.inference_api_key, self.weight_sync_secret)
 
     def replica_config(self) -> ReplicaConfig:
@@ -323,8 +320,6 @@ class Settings(BaseSettings):
             )
 
     def overload(self) -> OverloadConfig:
-        from gateway.middleware.overload import OverloadConfig
-
         return OverloadConfig(
             max_inflight=self.overload_max_inflight,
             min_inflight=self.overload_min_inflight,

@@ -18,7 +18,7 @@ import itertools
 import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -26,6 +26,7 @@ import httpx
 import orjson
 import yarl
 
+from core.config import ServerCredentials
 from inference.backend import BackendError, BackendOverloaded
 
 logger = logging.getLogger(__name__)
@@ -50,31 +51,11 @@ UNANSWERED = (
 
 
 @dataclass(frozen=True)
-class ServerCredentials:
-    """What the gateway presents to an inference server and to the trainer's weight server.
-
-    Both sit on the deployment's private network; these keep a stranger who reaches
-    it anyway from sampling or taking weights (docs/security.md).
-    """
-
-    api_key: str = ""  # the servers' --api-key (RLGATE_INFERENCE_API_KEY); empty: none
-    weight_sync_secret: str = ""  # the trainer's weight server's (RLGATE_WEIGHT_SYNC_SECRET)
-
-    def __repr__(self) -> str:  # never the secrets themselves in a log line
-        given = [name for name in ("api_key", "weight_sync_secret") if getattr(self, name)]
-        return f"ServerCredentials(set={given})"
-
-    def headers(self) -> dict[str, str]:
-        """What every request to the inference server carries."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-@dataclass(frozen=True)
 class HttpBackendConfig:
     """How a backend talks to one inference server over HTTP."""
 
     base_url: str  # e.g. http://127.0.0.1:8001 (no /v1)
-    credentials: ServerCredentials = ServerCredentials()
+    credentials: ServerCredentials = field(default_factory=ServerCredentials)
     model: str | None = None  # served model name; None: the first one /v1/models lists
     connect_timeout_s: float = 5.0  # a server that does not accept within this is down
     read_timeout_s: float = 600.0  # longest silence inside one generation (CPU decoding is slow)

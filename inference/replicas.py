@@ -56,31 +56,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.config import ReplicaConfig
 from inference.backend import AdapterBackend, Backend, BackendError, BackendOverloaded, TokenStream
 from inference.types import GenerateRequest, GenerateResult
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """How a `ReplicaSet` routes, checks and reloads its replicas."""
-
-    health_interval_s: float = 2.0  # seconds between background health checks
-    health_timeout_s: float = 5.0  # a health call slower than this counts as a failure
-    max_attempts: int = 3  # replicas tried per request before its error reaches the caller
-    sticky_slack: int = 4  # an episode stays on its replica while at most this much busier
-    drain_timeout_s: float = 300.0  # rolling swap: wait this long for a replica to go idle
-    max_affinities: int = 100_000  # episodes remembered for stickiness (least recent dropped)
-    load_retry_s: float = 30.0  # a replica that failed to load a version retries it after this
-
-    def __post_init__(self) -> None:
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise ValueError("health_interval_s and health_timeout_s must be > 0")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.sticky_slack < 0:
-            raise ValueError("sticky_slack must be >= 0")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from trainer.config import QueueConfig
+from core.config import QueueConfig
 
 TRAIN_STEP_TASK = "rlgate.train_step"
 

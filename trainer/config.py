@@ -1,8 +1,7 @@
-"""Typed configuration for a run's algorithm and for the Celery queue."""
+"""Typed configuration of a run: its algorithm, parallelism, LoRA and trackers."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -267,32 +266,3 @@ class RunConfig(BaseModel):
 
     def resolved_lora_targets(self) -> list[str]:
         return list(self.lora_target_modules or LORA_DEFAULT_TARGETS)
-
-
-class QueueConfig(BaseModel):
-    """Where train steps are queued. Empty broker URL: the embedded filesystem broker."""
-
-    broker_url: str = ""
-    result_backend: str = ""
-    data_dir: Path = Path("rlgate-data")
-    queue_name: str = "train"
-    # The gateway resends a step running longer than this (Settings.step_timeout_s); the
-    # broker must not redeliver it sooner on its own (`visibility_timeout_s`).
-    step_timeout_s: float = 1800.0
-
-    def visibility_timeout_s(self) -> float:
-        """How long Redis waits for an unacknowledged task before redelivering it: past the
-        step timeout with a margin (twice it, at least 5 minutes more), so a step still
-        running is resent only by the gateway's own timeout, never also by the broker
-        (Celery's default is 1 h whatever the step timeout)."""
-        return max(2 * self.step_timeout_s, self.step_timeout_s + 300.0)
-
-    def resolved_broker(self) -> str:
-        return self.broker_url or "filesystem://"
-
-    def resolved_backend(self) -> str:
-        if self.result_backend:
-            return self.result_backend
-        if self.broker_url.startswith("redis"):
-            return self.broker_url
-        return f"file://{(self.data_dir / 'celery-results').resolve()}"

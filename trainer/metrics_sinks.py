@@ -22,27 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
-
+from core.config import MetricsSinkConfig
 from trainer.config import TrackingConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "rlgate"  # W&B project and MLflow experiment when nothing names one
-
-
-class MetricsSinkConfig(BaseModel):
-    """A worker's sinks; the W&B and MLflow ones are defaults that a run's config may override."""
-
-    dir: Path | None = Field(None, description="root of the JSONL (and TensorBoard) logs")
-    tensorboard: bool = Field(False, description="also write TensorBoard events under dir")
-    wandb_project: str | None = Field(None, description="log every run to this W&B project")
-    mlflow_experiment: str | None = Field(
-        None, description="log every run to this MLflow experiment"
-    )
-    mlflow_tracking_uri: str = Field(
-        "", description="MLflow store or server (sqlite:///..., http://...); empty: MLflow's own"
-    )
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.config import NodeSpec
 from core.lifeline import TetheredProcess
 from trainer import resident_protocol as proto
 from trainer.batch import Sample
 from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples
-from trainer.resident_node import NodeSpec
 from trainer.resident_rank import SOCKET_ENV
 from trainer.weight_sync_steps import write_offer
 

@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
+from core.config import NodeSpec
 from trainer.launch import kill_group
 from trainer.resident import start_ranks
-from trainer.resident_node import NodeSpec
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.config import NodeSpec
 from trainer import resident_protocol as proto
 from trainer.batch import Sample
 from trainer.resident import ResidentGroup
-from trainer.resident_node import NodeSpec
 
 logger = logging.getLogger(__name__)
 

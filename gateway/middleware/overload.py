@@ -70,13 +70,13 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.config import OverloadConfig
 from core.store.models import Run
 from gateway.errors import RateLimited, error_response
 from gateway.middleware.identity import is_sampling_call
@@ -87,27 +87,6 @@ logger = logging.getLogger(__name__)
 MAX_RETRY_AFTER_S = 60.0  # what the openai SDK honours (newer versions: 120)
 MIN_RETRY_AFTER_S = 0.1
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left first
-
-
-@dataclass(frozen=True)
-class OverloadConfig:
-    """The bounds; a 0 limit or queue means unbounded (see the module docstring)."""
-
-    max_inflight: int = 1024  # the process's adaptive limit, at most
-    min_inflight: int = 64  # ... and at least (= max_inflight: a fixed limit)
-    max_inflight_per_run: int = 0
-    max_inflight_per_backend: int = 0
-    max_queue: int = 1024  # waiters per scope
-    queue_timeout_s: float = 30.0
-    lag_target_s: float = 0.010
-    tick_s: float = 0.05
-    run_share: float = 0.5  # while other runs wait, one run's most of a shared scope's slots
-
-    def __post_init__(self) -> None:
-        if self.max_inflight and self.min_inflight > self.max_inflight:
-            raise ValueError("overload_min_inflight exceeds overload_max_inflight: lower it")
-        if not 0 < self.run_share <= 1:
-            raise ValueError("overload_run_share must be in (0, 1]: 1 turns fair share off")
 
 
 class Overloaded(Exception):

@@ -12,11 +12,11 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from core.config import QueueConfig
 from core.store.db import make_async_engine
 from core.store.migrate import upgrade
 from gateway.admin.workers import WorkerAdmin
 from trainer.celery_app import make_celery
-from trainer.config import QueueConfig
 from trainer.submit import submit_train_step
 
 pytestmark = pytest.mark.integration

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
+from core.config import NodeSpec
 from rlgate.cli import build_parser
 from trainer import resident_protocol as proto
-from trainer.resident_node import NodeSpec
 
 
 @pytest.mark.parametrize(

@@ -26,13 +26,13 @@ import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session
 
+from core.config import QueueConfig
 from core.store.db import make_async_engine, make_sync_engine
 from core.store.migrate import upgrade
 from core.store.models import Run, TrainStep
 from gateway.control import training
 from gateway.control.training import TrainingScheduler
 from trainer.celery_app import make_celery
-from trainer.config import QueueConfig
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BUMP = "UPDATE runs SET current_version = 1 WHERE id = 'run_c' AND current_version = 0"

@@ -15,12 +15,12 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session
 
+from core.config import QueueConfig
 from core.store.db import make_async_engine, make_sync_engine
 from core.store.migrate import upgrade
 from core.store.models import Episode, Run
 from gateway.control.training import TrainingScheduler
 from trainer.celery_app import make_celery
-from trainer.config import QueueConfig
 
 EXPIRES_IN_S = 2.5  # the old episode's expiry, from the seed
 
