@@ -11,6 +11,7 @@ from text.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from sqlalchemy.orm import Session
@@ -21,6 +22,9 @@ from core.store.models import Completion
 from core.store.rewards import latest_episode_reward_sync
 from trainer.advantages import group_advantage
 from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from trainer.sequences import AssemblyStats
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,9 @@ def sample_from_completion(c: Completion, advantage: float) -> Sample:
     )
 
 
-def load_step_samples(session: Session, run_id: str, step: int, cfg: RunConfig):
+def load_step_samples(
+    session: Session, run_id: str, step: int, cfg: RunConfig
+) -> tuple[list[Sample], list[float], list[str], AssemblyStats]:
     """Samples for the episodes the scheduler assigned to `step`.
 
     Returns (samples, episode returns, group ids, assembly stats). Imports of

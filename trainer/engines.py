@@ -2,7 +2,7 @@
 
 The one place that maps the `engine` setting to code. `trainer.tasks`
 asks `engine_entry(cfg.engine).torchrun` to choose between a warm engine
-inside the worker and a `torchrun` subprocess (`trainer.launch`); both the
+inside the worker and a `torchrun` subprocess (`trainer.torchrun`); both the
 worker and the torchrun ranks (`trainer.fsdp_worker`, which runs
 `torchrun_engine(cfg.engine)`) get the class from `engine_class`, and build
 it with `Engine`'s one constructor. Classes are imported only then:
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.engine_base import Engine
+    from trainer.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class EngineEntry:
 
 
 ENGINES: dict[str, EngineEntry] = {
-    "local": EngineEntry("trainer.engine:LocalEngine", torchrun=False),
+    "local": EngineEntry("trainer.local_engine:LocalEngine", torchrun=False),
     "fsdp": EngineEntry("trainer.fsdp_engine:FsdpEngine", torchrun=True),
     "megatron": EngineEntry("trainer.megatron_engine:MegatronEngine", torchrun=True),
 }

@@ -16,7 +16,7 @@ complete state or none. Loading is collective and all-or-nothing: if any
 rank cannot read the state for this version, every rank starts AdamW fresh
 (and rank 0 logs why), so the ranks never disagree about the moments.
 The learning-rate schedule needs no state here: it is a function of the
-version (`trainer.engine.learning_rate`), and AdamW's own `step` counter
+version (`trainer.local_engine.learning_rate`), and AdamW's own `step` counter
 (its bias correction) is part of the saved state.
 """
 

@@ -1,4 +1,4 @@
-"""FSDP2 training engine: the shared PPO step (`trainer.engine_base`) on every rank of a group.
+"""FSDP2 training engine: the shared PPO step (`trainer.engine`) on every rank of a group.
 
 What this engine owns, and nothing else (the step loop, the loss and the
 metrics are `Engine.step`, the same as the local engine's):
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.batch import Sample
-from trainer.engine_base import DistributedEngine
+from trainer.engine import DistributedEngine
 from trainer.fsdp_checkpoint import load_optimizer_state, save_optimizer_state
 from trainer.hf_io import write_untied_hf
 from trainer.logprobs import Forward, PolicyLogits, hf_forward

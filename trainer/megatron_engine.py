@@ -7,7 +7,7 @@ forward pass without CUDA, so everything that touches it is imported inside
 the engine; `megatron_unavailable` says, without importing it, why the
 engine cannot run on this machine.
 
-The step loop, the loss and the metrics are `trainer.engine_base.Engine.step`,
+The step loop, the loss and the metrics are `trainer.engine.Engine.step`,
 the same as the other engines'; this engine owns the model and the reduction:
 
 1. The HF checkpoint of version N is read, converted to Megatron-core names
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.batch import Sample, collate
-from trainer.engine_base import DistributedEngine, read_optimizer_file, save_optimizer_file
+from trainer.engine import DistributedEngine, read_optimizer_file, save_optimizer_file
 from trainer.engine_check import EngineUnavailable, engine_unavailable
 from trainer.logprobs import Forward, logprobs_at, to_device
 from trainer.packing import trainable_batch

@@ -24,7 +24,7 @@ this side writes the version's offer file. A `Step` then writes the
 checkpoint only when told to (`save`); a version left unsaved is written by
 `SaveWeights` before the group is released (pause, stop, idle, worker
 shutdown). A crash loses it: the next group starts from the newest saved
-version (`trainer.weight_sync.newest_saved`).
+version (`trainer.weight_server.newest_saved`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from core.config import NodeSpec
 from core.lifeline import TetheredProcess
 from trainer import resident_protocol as proto
 from trainer.batch import Sample
-from trainer.launch import kill_group, rank_env, rank_tails, torchrun_command, write_samples
+from trainer.lora import ADAPTER_CONFIG
 from trainer.resident_rank import SOCKET_ENV
-from trainer.weight_sync_steps import write_offer
+from trainer.torchrun import kill_group, rank_env, rank_tails, torchrun_command, write_samples
+from trainer.weight_publish import write_offer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,16 @@ def start_ranks(
         log.close()
 
 
+def _check_checkpoint(checkpoint_dir: Path) -> None:
+    """Fail here, not in every rank (where transformers would read a missing directory as a
+    hub repo id)."""
+    if not any((checkpoint_dir / f).is_file() for f in ("config.json", ADAPTER_CONFIG)):
+        raise FileNotFoundError(
+            f"{checkpoint_dir} is neither a Hugging Face directory (config.json) "
+            f"nor a LoRA adapter ({ADAPTER_CONFIG})"
+        )
+
+
 class ResidentGroup:
     """A torchrun group holding one run's engine at `version`; see the module docstring."""
 
@@ -93,6 +104,7 @@ class ResidentGroup:
         start_timeout_s: float = 1800.0,
     ) -> None:
         """Start the ranks and wait until every one has built the engine (`Ready`)."""
+        _check_checkpoint(Path(init.checkpoint_dir))
         self.node = node or NodeSpec()
         local_ranks = self.node.local_ranks(world_size)  # a bad split fails before anything starts
         self.world_size = world_size
@@ -125,6 +137,12 @@ class ResidentGroup:
         self.pids: list[int] = ready.pids
         self.weight_url = ready.weight_url
         self.optimizer_resumed = ready.optimizer_resumed
+        if init.optimizer_in is not None and not ready.optimizer_resumed:
+            logger.warning(
+                "group at v%d started AdamW fresh: no usable state in %s",
+                self.version,
+                init.optimizer_in,
+            )
         logger.info(
             "resident group of %d ranks (pids %s) at v%d in %s",
             world_size,

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from core.config import NodeSpec
-from trainer.launch import kill_group
 from trainer.resident import start_ranks
+from trainer.torchrun import kill_group
 
 logger = logging.getLogger(__name__)
 

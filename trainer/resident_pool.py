@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from core.config import NodeSpec
 from trainer import resident_protocol as proto
@@ -75,32 +76,36 @@ class ResidentPool:
         out_dir: Path,
         tokenizer_dir: Path,
         *,
-        optimizer_dir: Callable[[int], Path] | None,
+        optimizer_out: Path | None,
+        release_optimizer: Callable[[int], Path] | None,
         threads_per_rank: int,
         timeout_s: float,
-        every_step: bool = False,
         save: bool = True,
-    ) -> dict:
+        release: bool = False,
+    ) -> dict[str, Any]:
         """One step of `run_id` from `init.version` on its resident group (formed if needed).
 
-        `optimizer_dir(version)`: where AdamW's state goes on release (and after every
-        step when `every_step`). A failure kills the group and re-raises: the caller
-        fails the attempt. `save`: write the new version's checkpoint (else only offered;
-        written on release).
+        `optimizer_out`: where this step's AdamW state goes (None: not saved with the
+        step). `release_optimizer(version)`: where AdamW's state goes when the group is
+        released (None: nowhere). `save`: write the new version's checkpoint (else only
+        offered; written on release). `release`: release the group after the step. A
+        failure kills the group and re-raises: the caller fails the attempt.
         """
-        state = optimizer_dir(init.version + 1) if optimizer_dir and every_step else None
         while True:
-            slot = self._slot_for(run_id, init, world_size, optimizer_dir, threads_per_rank)
+            slot = self._slot_for(run_id, init, world_size, release_optimizer, threads_per_rank)
             with slot.lock:
                 if self.slots.get(run_id) is not slot:
                     continue  # the reaper released it between the two lines above
                 try:
-                    return slot.group.step(
-                        samples, out_dir, tokenizer_dir, timeout_s, state, save=save
+                    metrics = slot.group.step(
+                        samples, out_dir, tokenizer_dir, timeout_s, optimizer_out, save=save
                     )
                 except BaseException:
                     self.discard(run_id)
                     raise
+            if release:
+                self.release(run_id)
+            return metrics
 
     def _slot_for(
         self,

@@ -58,7 +58,7 @@ class Ready:
 class Step:
     """One optimizer step from the group's version N to N+1, then the checkpoint of N+1."""
 
-    samples: str  # a `trainer.launch.write_samples` file the leader can read
+    samples: str  # a `trainer.torchrun.write_samples` file the leader can read
     out_dir: str
     tokenizer_dir: str
     version: int  # N: a group at any other version refuses (a worker bug, not a retry)

@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from trainer import resident_protocol as proto
 from trainer.config import ParallelConfig, RunConfig
-from trainer.engine_base import Engine
+from trainer.engine import Engine
 from trainer.engines import engine_class, torchrun_engine
-from trainer.launch import read_samples
-from trainer.weight_sync import WeightServer, distributed_hf_state
+from trainer.torchrun import read_samples
+from trainer.weight_server import WeightServer, distributed_hf_state
 
 SOCKET_ENV = "RLGATE_RESIDENT_SOCKET"  # set by the worker that owns the queue, on its node only
 WEIGHT_SECRET_ENV = "RLGATE_WEIGHT_SYNC_SECRET"  # the worker's, inherited: weight_sync_secret
@@ -91,7 +91,7 @@ class Rank:
 
     weight_sync collective: global rank 0 runs a `WeightServer`; after each
     step every rank takes part in gathering the full weights to it, and it
-    offers them under the run's id (`trainer.weight_sync`).
+    offers them under the run's id (`trainer.weight_server`).
     """
 
     def __init__(

@@ -17,7 +17,8 @@ conditional version bump, which records the directory. Nothing is renamed after 
 commit, so a crash between the two leaves at most an unrecorded attempt directory,
 and a losing or late attempt can never touch the committed one. Unrecorded attempt
 directories of versions already committed are garbage: the losing attempt removes its
-own, and `garbage` finds what a killed one left (the trainer sweeps after each commit).
+own, and `CheckpointLayout.garbage` finds what a killed one left (the trainer sweeps
+after each commit).
 """
 
 from __future__ import annotations
@@ -34,51 +35,74 @@ LEGACY_SHARDED_OPTIMIZER = "optimizer-fsdp"
 _ATTEMPT = re.compile(r"^v(?P<version>\d+)\.(?P<attempt>[0-9a-f]{12})(?P<rest>\..*)?$")
 
 
-def run_dir(checkpoints_dir: Path, run_id: str) -> Path:
-    """Every file of the run (deleting the run deletes this)."""
-    return Path(checkpoints_dir) / run_id
+class CheckpointLayout:
+    """Every checkpoint, adapter and AdamW path of every run under one `root` directory.
 
-
-def attempt_dir(checkpoints_dir: Path, run_id: str, version: int) -> Path:
-    """A fresh directory name for one attempt at writing `version` (not created here)."""
-    return run_dir(checkpoints_dir, run_id) / f"v{version}.{uuid.uuid4().hex[:12]}"
-
-
-def optimizer_dir(checkpoint_dir: Path) -> Path:
-    """The AdamW state written by the attempt that wrote `checkpoint_dir`."""
-    checkpoint_dir = Path(checkpoint_dir)
-    return checkpoint_dir.with_name(checkpoint_dir.name + OPTIMIZER_SUFFIX)
-
-
-def legacy_version_dir(checkpoints_dir: Path, run_id: str, version: int) -> Path:
-    """`v<N>`: where version N was written before attempt directories."""
-    return run_dir(checkpoints_dir, run_id) / f"v{version}"
-
-
-def legacy_optimizer_dir(checkpoints_dir: Path, run_id: str, version: int, sharded: bool) -> Path:
-    """Where a version recorded without `optimizer_path` kept its AdamW state: one
-    `optimizer.pt` in the run's root (in-process engines, overwritten each step), or one
-    directory per version (sharded FSDP state)."""
-    root = run_dir(checkpoints_dir, run_id)
-    return root / LEGACY_SHARDED_OPTIMIZER / f"v{version}" if sharded else root
-
-
-def garbage(root: Path, recorded: set[Path], newest: int) -> list[Path]:
-    """Attempt files under a run's `root` that no version records and none ever will.
-
-    An attempt at version N <= `newest` can no longer commit (the conditional bump needs
-    the run at N - 1), so whatever it left is garbage whether it lost, was killed or is
-    still writing (it then fails its commit and removes its own).
+    A version's directory holds a full Hugging Face model or, for a LoRA run, its
+    adapter (`adapter_config.json` + `adapter_model.safetensors`): the same name either
+    way, so nothing here depends on the kind of run. Paths are built here and only
+    here; once recorded in the store, readers go through the recorded path.
     """
-    keep = {Path(p).name for p in recorded}
-    out = []
-    for path in root.iterdir() if root.is_dir() else ():
-        m = _ATTEMPT.match(path.name)
-        if m is None or int(m["version"]) > newest:
-            continue
-        if f"v{m['version']}.{m['attempt']}" not in keep:
-            out.append(path)
-    return sorted(out)
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def run_dir(self, run_id: str) -> Path:
+        """Every file of the run (deleting the run deletes this)."""
+        return self.root / run_id
+
+    def attempt_dir(self, run_id: str, version: int) -> Path:
+        """A fresh directory name for one attempt at writing `version` (not created here)."""
+        return self.run_dir(run_id) / f"v{version}.{uuid.uuid4().hex[:12]}"
+
+    @staticmethod
+    def optimizer_dir(checkpoint_dir: Path) -> Path:
+        """The AdamW state written by the attempt that wrote `checkpoint_dir`."""
+        checkpoint_dir = Path(checkpoint_dir)
+        return checkpoint_dir.with_name(checkpoint_dir.name + OPTIMIZER_SUFFIX)
+
+    @staticmethod
+    def attempt_version(path: Path) -> int | None:
+        """The version an attempt directory (or a file named after it) writes; None if
+        `path` is not one."""
+        m = _ATTEMPT.match(Path(path).name)
+        return int(m["version"]) if m else None
+
+    @staticmethod
+    def attempt_files(checkpoint_dir: Path) -> list[Path]:
+        """Every file and directory one attempt wrote under its own name (the checkpoint,
+        its `.tmp`, its AdamW state, its offer)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        return sorted(checkpoint_dir.parent.glob(f"{checkpoint_dir.name}*"))
+
+    def legacy_version_dir(self, run_id: str, version: int) -> Path:
+        """`v<N>`: where version N was written before attempt directories."""
+        return self.run_dir(run_id) / f"v{version}"
+
+    def legacy_optimizer_dir(self, run_id: str, version: int, sharded: bool) -> Path:
+        """Where a version recorded without `optimizer_path` kept its AdamW state: one
+        `optimizer.pt` in the run's root (in-process engines, overwritten each step), or
+        one directory per version (sharded FSDP state)."""
+        root = self.run_dir(run_id)
+        return root / LEGACY_SHARDED_OPTIMIZER / f"v{version}" if sharded else root
+
+    def garbage(self, run_id: str, recorded: set[Path], newest: int) -> list[Path]:
+        """Attempt files of the run that no version records and none ever will.
+
+        An attempt at version N <= `newest` can no longer commit (the conditional bump
+        needs the run at N - 1), so whatever it left is garbage whether it lost, was
+        killed or is still writing (it then fails its commit and removes its own).
+        """
+        root = self.run_dir(run_id)
+        keep = {Path(p).name for p in recorded}
+        out = []
+        for path in root.iterdir() if root.is_dir() else ():
+            m = _ATTEMPT.match(path.name)
+            if m is None or int(m["version"]) > newest:
+                continue
+            if f"v{m['version']}.{m['attempt']}" not in keep:
+                out.append(path)
+        return sorted(out)
 
 
 def fsync_tree(path: Path) -> None:

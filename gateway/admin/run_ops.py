@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from core.store.checkpoints import attempt_dir, fsync_dir, fsync_tree, run_dir
+from core.store.checkpoints import CheckpointLayout, fsync_dir, fsync_tree
 from core.store.models import PolicyVersion, Run, as_utc
 from core.store.runs import (
     advance_version,
@@ -52,7 +52,7 @@ from gateway.protocol_admin import (
     RunUpdate,
 )
 from inference.lora import ADAPTER_CONFIG, merge_adapter
-from inference.weight_sync import offer_path
+from inference.weight_source import offer_path
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class RunAdmin:
     ) -> None:
         self.sessions = sessions
         self.pool = pool
-        self.checkpoints_dir = checkpoints_dir
+        self.checkpoints = CheckpointLayout(checkpoints_dir)
 
     async def update(self, run_id: str, body: RunUpdate) -> Run:
         unsafe = sorted(set(body.config) - LIVE_CONFIG_KEYS)
@@ -107,7 +107,7 @@ class RunAdmin:
                 )
             await delete_run(s, run_id)
         await self.pool.unload(run_id)
-        await asyncio.to_thread(shutil.rmtree, run_dir(self.checkpoints_dir, run_id), True)
+        await asyncio.to_thread(shutil.rmtree, self.checkpoints.run_dir(run_id), True)
         logger.info("deleted run %s", run_id)
 
     async def versions(self, run_id: str) -> list[PolicyVersionPublic]:
@@ -205,15 +205,14 @@ class RunAdmin:
                 f"version {version} is the current one; roll back to an earlier version",
                 param="version",
             )
-        target = attempt_dir(self.checkpoints_dir, run_id, new)
+        target = self.checkpoints.attempt_dir(run_id, new)
         await asyncio.to_thread(_copy_checkpoint, source, target, version)
         async with self.sessions.begin() as s:
             if not await advance_version(s, run_id, new - 1):
                 await asyncio.to_thread(shutil.rmtree, target, True)
                 raise Conflict("the run moved to a new version meanwhile; retry", code="raced")
             s.add(PolicyVersion(run_id=run_id, version=new, checkpoint_path=str(target)))
-            run = await s.get(Run, run_id)
-            bump_counter(run, "rollbacks")
+            bump_counter(await s.get_one(Run, run_id), "rollbacks")
         logger.info("run %s rolled back to v%d as v%d", run_id, version, new)
         return RollbackResult(run_id=run_id, version=new, rolled_back_from=version)
 

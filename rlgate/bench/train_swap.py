@@ -9,7 +9,7 @@ both ways, alternating which goes first:
   (`trainer.hf_io.write_untied_hf`: full weights, untied head, tokenizer
   files), then `VLLMBackend.load_weights(dir)`: pause, `reload_weights`
   from the directory, resume;
-- collective: the trainer snapshots the weights (`trainer.weight_sync.hf_state`)
+- collective: the trainer snapshots the weights (`trainer.weight_server.hf_state`)
   and offers them (`WeightServer.publish`, an offer file), then
   `VLLMBackend.load_weights(CollectiveSource)`: pause, the server's worker
   joins a gloo transfer and reloads in place, resume.
@@ -34,21 +34,22 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.store.checkpoints import attempt_dir
+    from core.store.checkpoints import CheckpointLayout
     from inference.launch import ServerConfig, install_vllm, running_server
     from inference.types import GenerateRequest, SamplingParams
     from inference.vllm_http import VLLMBackend
     from inference.weight_sync import CollectiveSource
     from rlgate.stack import free_port
     from trainer.hf_io import write_untied_hf
-    from trainer.weight_sync import WeightServer, hf_state
-    from trainer.weight_sync_steps import write_offer
+    from trainer.weight_publish import write_offer
+    from trainer.weight_server import WeightServer, hf_state
 
     python = install_vllm(log=work / "vllm-install.log")
     cfg = ServerConfig(
         kind="vllm", model_dir=model_dir, python=python, port=free_port(), max_model_len=512
     )
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layout = CheckpointLayout(work)
     server = WeightServer()
     seconds: dict[str, list[float]] = {"disk": [], "collective": []}
     trainer_s: dict[str, list[float]] = {"disk": [], "collective": []}
@@ -57,7 +58,7 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
 
     def disk(version: int) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        out = attempt_dir(work, "bench", version)
+        out = layout.attempt_dir("bench", version)
         write_untied_hf(lm.state_dict(), lm.config, lm.generation_config, out, model_dir)
         nbytes["disk"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         return out, time.perf_counter() - t0
@@ -66,7 +67,7 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         state = hf_state(lm)
         server.publish("bench", version, state)
-        out = work / f"c{version}"
+        out = layout.attempt_dir("bench", version)
         write_offer(out, server.url_for("bench"), version)
         nbytes["collective"] = sum(t.numel() * t.element_size() for t in state.values())
         return CollectiveSource(server.url_for("bench"), version, out), time.perf_counter() - t0

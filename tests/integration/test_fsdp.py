@@ -19,11 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.integration._one_step import one_step
 from trainer.batch import Sample
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
-from trainer.launch import FsdpStepError, run_fsdp_step, write_samples
+from trainer.local_engine import LocalEngine
 from trainer.parallel import resolve_backend
+from trainer.resident import ResidentGroupError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,11 +72,11 @@ def test_two_rank_fsdp_step_matches_local_engine(
     after = local.model.state_dict()
 
     out = tmp_path / "v1"
-    metrics = run_fsdp_step(
+    metrics = one_step(
         tiny_model_dir,
         0,
         CFG.model_dump(),
-        write_samples(samples, tmp_path / "samples.pt"),
+        samples,
         out,
         tiny_model_dir,
         world_size=2,
@@ -141,11 +142,11 @@ def test_fsdp_optimizer_state_resumes_across_steps(
     assert gap > 0.2 * LR, "fresh and resumed AdamW agree: the comparison is vacuous"
 
     def fsdp(ckpt: Path, version: int, samples, out: Path, **kw) -> dict:
-        return run_fsdp_step(
+        return one_step(
             ckpt,
             version,
             cfg.model_dump(),
-            write_samples(samples, tmp_path / f"samples{version}.pt"),
+            samples,
             out,
             tiny_model_dir,
             world_size=2,
@@ -173,7 +174,7 @@ def test_fsdp_optimizer_state_resumes_across_steps(
 
     shutil.rmtree(opt / "v1")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trainer.launch"):
+    with caplog.at_level("WARNING", logger="trainer.resident"):
         m3 = fsdp(tmp_path / "v1", 1, second, tmp_path / "v2-fresh", optimizer_in=opt / "v1")
     assert m3["optimizer_resumed"] == 0 and m3["version"] == 2
     assert any("AdamW fresh" in r.getMessage() for r in caplog.records)
@@ -198,11 +199,11 @@ def test_two_rank_fsdp_kl_and_entropy_match_local_engine(
     expected = local.step(samples)
     assert expected["kl_ref"] > 1e-6 and expected["entropy"] > 0
 
-    metrics = run_fsdp_step(
+    metrics = one_step(
         tmp_path / "v1",
         1,
         cfg.model_dump(),
-        write_samples(samples, tmp_path / "samples.pt"),
+        samples,
         tmp_path / "v2",
         tiny_model_dir,
         world_size=2,
@@ -249,7 +250,7 @@ def test_local_and_fsdp_engines_report_the_same_metrics(tiny_model_dir: Path) ->
     """In-process, one rank, padded micro-batches like the local engine: the same metric keys
     (the FSDP engine used to drop the advantage statistics), and the same values but timing."""
     from trainer.config import ParallelConfig
-    from trainer.engine_base import METRICS
+    from trainer.engine import METRICS
     from trainer.fsdp_engine import FsdpEngine
 
     cfg = CFG.model_copy(update={"kl_coef": 0.1})
@@ -305,32 +306,31 @@ def test_fsdp_optimizer_state_is_used_only_for_its_version(
 
 
 def test_a_failing_step_raises_with_the_ranks_stderr(tiny_model_dir: Path, tmp_path: Path) -> None:
-    corrupt = tmp_path / "samples.pt"
-    corrupt.write_bytes(b"not a torch file")
-    with pytest.raises(FsdpStepError) as info:
-        run_fsdp_step(
-            tiny_model_dir,
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "not-a-model"}')
+    with pytest.raises(ResidentGroupError) as info:
+        one_step(
+            broken,
             0,
             CFG.model_dump(),
-            corrupt,
+            _samples(4, 64),
             tmp_path / "v1",
             tiny_model_dir,
             world_size=2,
             timeout_s=300,
         )
     message = str(info.value)
-    assert "torchrun exit 1" in message
+    assert "torchrun exited 1" in message
     # the ranks' own stderr files are attached (a rank killed early may have written nothing)
     assert "/attempt_0/0/stderr.log" in message
-    assert "UnpicklingError" in message
+    assert "not-a-model" in message
     assert not (tmp_path / "v1").exists()
 
 
 def test_a_missing_checkpoint_fails_before_launching(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        run_fsdp_step(
-            tmp_path / "nope", 0, CFG.model_dump(), tmp_path / "s.pt", tmp_path / "v1", tmp_path, 2
-        )
+        one_step(tmp_path / "nope", 0, CFG, [], tmp_path / "v1", tmp_path, 2)
 
 
 def test_nccl_without_cuda_is_a_config_error() -> None:
@@ -371,11 +371,11 @@ def test_nccl_step_matches_local_engine(
     local = LocalEngine(tiny_model_dir, 0, CFG)
     samples = _samples(10, local.model.config.vocab_size)
     expected = local.step(samples)
-    metrics = run_fsdp_step(
+    metrics = one_step(
         tiny_model_dir,
         0,
         CFG.model_dump(),
-        write_samples(samples, tmp_path / "samples.pt"),
+        samples,
         tmp_path / "v1",
         tiny_model_dir,
         world_size=world_size,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.integration._one_step import one_step
 from trainer.batch import Sample
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
-from trainer.launch import run_fsdp_step, write_samples
+from trainer.local_engine import LocalEngine
 from trainer.lora import is_adapter_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,11 +53,11 @@ def test_two_fsdp_lora_steps_write_the_local_engines_adapters(
         expected = local.step(batch)
         local.save(tmp_path / f"local-v{version + 1}", tiny_model_dir)
         out = tmp_path / f"fsdp-v{version + 1}"
-        metrics = run_fsdp_step(
+        metrics = one_step(
             checkpoint,
             version,
             {**cfg.model_dump(mode="json"), "engine": "fsdp", "world_size": 2},
-            write_samples(batch, tmp_path / f"samples-{version}.pt"),
+            batch,
             out,
             tiny_model_dir,
             2,

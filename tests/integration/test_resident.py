@@ -95,7 +95,7 @@ def test_one_group_serves_three_steps_and_matches_the_local_engine(
         for step in range(3):
             trainer.train_step("fsdp", step)
             trainer.train_step("local", step)
-            pids.append(trainer.resident.slots["fsdp"].group.pids)
+            pids.append(trainer.resident.pool.slots["fsdp"].group.pids)
             metrics = _row(trainer, "fsdp", step).metrics
             group_steps.append(metrics["group_steps"])
             assert metrics["optimizer_resumed"] == float(step > 0)  # moments carried in memory
@@ -107,7 +107,7 @@ def test_one_group_serves_three_steps_and_matches_the_local_engine(
 
         # a duplicate delivery of a done step returns at once and touches nothing
         assert trainer.train_step("fsdp", 1)["skipped"] is True
-        assert trainer.resident.slots["fsdp"].group.pids == pids[0]
+        assert trainer.resident.pool.slots["fsdp"].group.pids == pids[0]
         assert _version(trainer, "fsdp") == 3
 
         # three steps with AdamW's moments carried: the local engine's weights, to float noise
@@ -130,7 +130,7 @@ def test_a_killed_rank_fails_the_attempt_and_the_retry_reforms_the_group(
     _seed(trainer, tiny_model_dir, FSDP2, "r", 2)
     try:
         trainer.train_step("r", 0)
-        first = trainer.resident.slots["r"].group.pids
+        first = trainer.resident.pool.slots["r"].group.pids
         # Freeze rank 1 so that step 1 is certainly in flight when it dies: the leader has
         # the command and waits on rank 1 in the broadcast.
         os.kill(first[1], signal.SIGSTOP)
@@ -155,12 +155,12 @@ def test_a_killed_rank_fails_the_attempt_and_the_retry_reforms_the_group(
         assert len(errors) == 1 and "resident group" in str(errors[0])
         row = _row(trainer, "r", 1)
         assert row.status == StepStatus.FAILED and _version(trainer, "r") == 1
-        assert "r" not in trainer.resident.slots
+        assert "r" not in trainer.resident.pool.slots
         assert _gone(first), "the failed group's ranks must all be gone"
 
         _requeue(trainer, "r", 1)
         assert trainer.train_step("r", 1)["version"] == 2
-        second = trainer.resident.slots["r"].group.pids
+        second = trainer.resident.pool.slots["r"].group.pids
         assert set(second).isdisjoint(first)
         metrics = _row(trainer, "r", 1).metrics
         assert metrics["group_steps"] == 1  # a new group, formed from v1's checkpoint
@@ -176,7 +176,7 @@ def _versions(s: Session, run_id: str) -> list[int]:
 
 def _wait_released(trainer: Trainer, run_id: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
-    while run_id in trainer.resident.slots:
+    while run_id in trainer.resident.pool.slots:
         assert time.monotonic() < deadline, "the reaper never released the group"
         time.sleep(0.2)
 
@@ -189,7 +189,7 @@ def test_pause_and_idle_release_the_ranks_and_a_new_group_resumes_adamw(
     ckpts = trainer.settings.checkpoints_dir / "r"
     try:
         trainer.train_step("r", 0)
-        pids = trainer.resident.slots["r"].group.pids
+        pids = trainer.resident.pool.slots["r"].group.pids
         with trainer.sessions.begin() as s:
             s.get(Run, "r").status = "paused"
         _wait_released(trainer, "r")  # the reaper thread reads the run's status every 2 s
@@ -200,10 +200,10 @@ def test_pause_and_idle_release_the_ranks_and_a_new_group_resumes_adamw(
 
         with trainer.sessions.begin() as s:
             s.get(Run, "r").status = "active"
-        trainer.resident.idle_s = 1.0  # as RLGATE_RESIDENT_IDLE_S=1 would set it
+        trainer.resident.pool.idle_s = 1.0  # as RLGATE_RESIDENT_IDLE_S=1 would set it
         trainer.train_step("r", 1)
         assert _row(trainer, "r", 1).metrics["optimizer_resumed"] == 1
-        pids = trainer.resident.slots["r"].group.pids
+        pids = trainer.resident.pool.slots["r"].group.pids
         _wait_released(trainer, "r")  # idle past resident_idle_s, the run still active
         assert _gone(pids)
         assert (ckpts / "optimizer-fsdp" / "v2" / "meta.json").is_file()
@@ -236,5 +236,26 @@ def test_a_lora_run_on_resident_ranks_writes_the_local_engines_adapters(
             for key, value in mine.items():
                 assert torch.allclose(value, theirs[key], atol=1e-5), key
         assert fsdp.metrics["kl_ref"] > 0  # the second step is away from the base
+    finally:
+        trainer.close()
+
+
+def test_with_resident_ranks_off_each_step_is_a_group_released_after_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`resident_ranks=false`: every step forms a group from the committed checkpoint and
+    releases it; the run keeps AdamW's moments only through `save_optimizer_state`."""
+    trainer = _trainer(tmp_path, resident_ranks=False)
+    kept = FSDP2.model_copy(update={"save_optimizer_state": True})
+    _seed(trainer, tiny_model_dir, kept, "r", 2)
+    try:
+        for step in range(2):
+            trainer.train_step("r", step)
+            assert "r" not in trainer.resident.pool.slots  # released after the step
+            metrics = _row(trainer, "r", step).metrics
+            assert metrics["group_steps"] == 1 and metrics["saved"] == 1.0
+            assert metrics["optimizer_resumed"] == float(step > 0)  # read from disk
+        assert _version(trainer, "r") == 2
+        assert (_ckpt(trainer, "r", 2) / "model.safetensors").is_file()
     finally:
         trainer.close()

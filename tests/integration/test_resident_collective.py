@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from core.store.models import Run
-from inference.weight_sync import offer_path, saved
+from inference.weight_source import offer_path, saved
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, receive_weights
 from tests.integration.test_resident import (
     BASE,
@@ -33,8 +33,8 @@ from tests.integration.test_resident import (
 )
 from trainer.batch import load_step_samples
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
-from trainer.weight_sync import hf_state
+from trainer.local_engine import LocalEngine
+from trainer.weight_server import hf_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,7 +87,7 @@ def test_resident_ranks_offer_every_version_and_save_every_second(
         assert moved.abs().max().item() > 1e-4, "the steps barely moved the weights"
 
         # Pausing releases the group, which first writes v3 (only offered until now).
-        pids = trainer.resident.slots["fsdp"].group.pids
+        pids = trainer.resident.pool.slots["fsdp"].group.pids
         for run_id in ("fsdp", "local"):
             with trainer.sessions.begin() as s:
                 s.get(Run, run_id).status = "paused"

@@ -104,10 +104,11 @@ def test_a_worker_killed_mid_write_leaves_the_last_version_serving(
         model = AutoModelForCausalLM.from_pretrained(committed[0], dtype=torch.float32)
         assert model.config.vocab_size > 0
         # what the killed attempt left is garbage that the next commit sweeps, and only that
-        from core.store.checkpoints import garbage
+        from core.store.checkpoints import CheckpointLayout
 
         root = Path(committed[0]).parent
-        leftovers = garbage(root, {Path(p) for p in committed if p}, newest=1)
+        layout = CheckpointLayout(root.parent)
+        leftovers = layout.garbage(root.name, {Path(p) for p in committed if p}, newest=1)
         assert leftovers and all(Path(committed[0]).name not in p.name for p in leftovers)
 
         stop(server.proc)  # a fresh gateway must load v1 from its recorded path

@@ -1,7 +1,7 @@
 """The trainer's weight server: a shared secret on every request, one configured interface.
 
 A real `WeightServer` (its HTTP server in a thread) and real peers over loopback
-TCP: a raw socket for what a stranger sends, `inference.weight_sync.open_transfer`
+TCP: a raw socket for what a stranger sends, `inference.weight_source.open_transfer`
 (what the gateway's backends call) for the legitimate peer, which then receives
 the weights over the gloo rendezvous the answer names.
 """
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from inference.backend import BackendError
-from inference.weight_sync import CollectiveSource, open_transfer
+from inference.weight_source import CollectiveSource, open_transfer
 from inference.weight_wire import rlgate_weight_wire as wire
-from trainer.weight_sync import WeightServer
+from trainer.weight_server import WeightServer
 
 SECRET = "weight-sync-secret-for-the-test"
 STATE = {"model.norm.weight": torch.arange(6, dtype=torch.float32)}

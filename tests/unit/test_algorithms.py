@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from trainer.advantages import group_advantage
 from trainer.config import RunConfig
-from trainer.engine_base import learning_rate
+from trainer.engine import learning_rate
 from trainer.losses.kl import kl_penalty
 from trainer.losses.policy import policy_loss
 
@@ -106,7 +106,7 @@ def test_learning_rate_warmup() -> None:
 
 def test_local_engine_with_kl_and_entropy_on_the_tiny_model(tiny_model_dir) -> None:
     from trainer.batch import Sample
-    from trainer.engine import LocalEngine
+    from trainer.local_engine import LocalEngine
 
     cfg = RunConfig(
         kl_coef=0.05,
@@ -130,7 +130,7 @@ def test_local_engine_with_kl_and_entropy_on_the_tiny_model(tiny_model_dir) -> N
 
 def test_optimizer_state_resumes_for_the_right_version(tiny_model_dir, tmp_path) -> None:
     from trainer.batch import Sample
-    from trainer.engine import LocalEngine
+    from trainer.local_engine import LocalEngine
 
     cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, learning_rate=1e-3)
     engine = LocalEngine(tiny_model_dir, 0, cfg)
@@ -154,7 +154,7 @@ def test_local_engine_resumed_after_a_restart_equals_one_kept_in_memory(
 ) -> None:
     """What a restarted worker does (Trainer.engine_for): weights from v1, AdamW from disk."""
     from trainer.batch import Sample
-    from trainer.engine import LocalEngine
+    from trainer.local_engine import LocalEngine
 
     cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, learning_rate=1e-3)
     samples = [

@@ -13,7 +13,7 @@ import pytest
 
 from trainer.batch import Sample
 from trainer.config import RunConfig
-from trainer.engine_base import Engine
+from trainer.engine import Engine
 from trainer.engines import ENGINES, engine_class, engine_entry, torchrun_engine
 
 
@@ -42,7 +42,7 @@ def test_optimizer_state_is_a_directory_holding_optimizer_pt(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Every engine takes a directory; the local one keeps the old `<run>/optimizer.pt` file."""
-    from trainer.engine import LocalEngine
+    from trainer.local_engine import LocalEngine
 
     cfg = RunConfig(group_size=2, groups_per_step=1, micro_batch_size=2, learning_rate=1e-3)
     engine = LocalEngine(tiny_model_dir, 0, cfg)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.engine_base as engine_base
+import trainer.engine as engine_module
 from trainer.batch import Sample
 from trainer.config import RunConfig
-from trainer.engine_base import gradient_free
+from trainer.engine import gradient_free
 
 
 def _sample(advantage: float, n_out: int = 3) -> Sample:
@@ -41,10 +41,10 @@ def test_only_all_zero_advantages_without_kl_or_entropy_are_gradient_free() -> N
 
 
 def _step(tiny_model_dir: Path, samples: list[Sample], monkeypatch, skip: bool):
-    from trainer.engine import LocalEngine
+    from trainer.local_engine import LocalEngine
 
     if not skip:  # the reference: every sample forwarded, as before
-        monkeypatch.setattr(engine_base, "gradient_free", lambda s, cfg: False)
+        monkeypatch.setattr(engine_module, "gradient_free", lambda s, cfg: False)
     cfg = RunConfig(group_size=2, groups_per_step=3, micro_batch_size=2, learning_rate=1e-3)
     torch.manual_seed(0)
     engine = LocalEngine(tiny_model_dir, 0, cfg)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from inference.lora import merge_adapter, read_adapter
 from trainer.batch import Sample, collate
 from trainer.config import LORA_DEFAULT_TARGETS, RunConfig
-from trainer.engine import LocalEngine
+from trainer.local_engine import LocalEngine
 from trainer.lora import is_adapter_dir
 from trainer.packing import trainable_batch
 

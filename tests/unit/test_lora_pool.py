@@ -12,7 +12,7 @@ from inference.backend import BackendError
 from inference.lora_view import AdapterView
 from inference.types import GenerateRequest, SamplingParams
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
+from trainer.local_engine import LocalEngine
 from trainer.lora import is_adapter_dir
 
 

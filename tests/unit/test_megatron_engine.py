@@ -3,13 +3,12 @@
 megatron-core is an optional, GPU-only extra that CI does not install: here
 the tests check that the configuration routes to `MegatronEngine` and that
 a machine without CUDA or megatron-core gets an error naming the option, at
-step start (the worker) as well as in the torchrun worker itself. The real
+step start (the worker) as well as in a resident rank itself. The real
 step runs only in the `gpu` test at the end (skipped on this CPU machine).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from sqlalchemy.orm import Session
 from trainer.batch import Sample
 from trainer.config import RunConfig
 from trainer.engine_check import EngineUnavailable, engine_unavailable
-from trainer.launch import write_samples
 
 MEGATRON_HERE = engine_unavailable("megatron") is None
 SAMPLES = [
@@ -51,27 +49,20 @@ def test_the_message_names_the_option_and_the_fix() -> None:
 
 
 @pytest.mark.skipif(MEGATRON_HERE, reason="megatron-core and CUDA are both present")
-def test_the_torchrun_worker_routes_to_the_megatron_engine(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """The worker entry point picks MegatronEngine by config; here it fails before any
+def test_a_resident_rank_builds_the_megatron_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A resident rank builds MegatronEngine by config; here it fails before any
     process group is formed, with the clear error instead of an ImportError."""
-    from trainer import fsdp_worker
     from trainer.megatron_engine import MegatronUnavailable
+    from trainer.resident_protocol import Init
+    from trainer.resident_rank import build_engine
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"run": RunConfig(engine="megatron").model_dump(mode="json")}))
-    args = [
-        f"--checkpoint-dir={tiny_model_dir}",
-        "--version=0",
-        f"--config={config}",
-        f"--samples={write_samples(SAMPLES, tmp_path / 's.pt')}",
-        f"--out-dir={tmp_path / 'v1'}",
-        f"--tokenizer-dir={tiny_model_dir}",
-        f"--metrics={tmp_path / 'metrics.json'}",
-    ]
+    init = Init(
+        config={"run": RunConfig(engine="megatron").model_dump(mode="json")},
+        checkpoint_dir=str(tiny_model_dir),
+        version=0,
+    )
     with pytest.raises(MegatronUnavailable, match="engine='megatron'"):
-        fsdp_worker.main(args)
+        build_engine(init)
     assert not (tmp_path / "v1").exists()
 
 
@@ -112,22 +103,22 @@ def test_a_step_of_a_megatron_run_fails_with_the_message(tmp_path: Path) -> None
 @pytest.mark.gpu
 @pytest.mark.skipif(not MEGATRON_HERE, reason="needs CUDA and megatron-core ([megatron] extra)")
 def test_megatron_step_matches_local_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A real 1-rank Megatron-core step (torchrun, NCCL) against the single-process engine."""
+    """A real 1-rank Megatron-core step (resident torchrun rank, NCCL) against the local engine."""
     from safetensors.torch import load_file
 
-    from trainer.engine import LocalEngine
-    from trainer.launch import run_fsdp_step
+    from tests.integration._one_step import one_step
+    from trainer.local_engine import LocalEngine
 
     cfg = RunConfig(
         engine="megatron", learning_rate=1e-4, group_size=2, groups_per_step=1, micro_batch_size=2
     )
     local = LocalEngine(tiny_model_dir, 0, cfg.model_copy(update={"engine": "local"}))
     expected = local.step(SAMPLES)
-    metrics = run_fsdp_step(
+    metrics = one_step(
         tiny_model_dir,
         0,
-        cfg.model_dump(mode="json"),
-        write_samples(SAMPLES, tmp_path / "samples.pt"),
+        cfg,
+        SAMPLES,
         tmp_path / "v1",
         tiny_model_dir,
         world_size=1,

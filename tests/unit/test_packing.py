@@ -11,7 +11,7 @@ import torch
 from trainer import logprobs as trainer_logprobs
 from trainer.batch import Sample, collate
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
+from trainer.local_engine import LocalEngine
 from trainer.logprobs import PolicyLogits, token_logprobs
 from trainer.losses.ppo import ppo_clip_loss
 from trainer.packing import (

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from inference.backend import BackendError
 from inference.http_common import HttpBackendConfig
 from inference.sglang_http import SGLangBackend
-from inference.weight_sync import CollectiveSource
+from inference.weight_source import CollectiveSource
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, join_named_group
-from trainer.weight_sync import WeightServer
+from trainer.weight_server import WeightServer
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from inference.local import LocalBackend
 from inference.types import GenerateRequest, SamplingParams
 from trainer.batch import collate, sample_from_completion
 from trainer.config import RunConfig
-from trainer.engine import LocalEngine
+from trainer.local_engine import LocalEngine
 from trainer.losses.ppo import ppo_clip_loss
 
 MESSAGES = [

@@ -21,11 +21,11 @@ from inference.http_common import HttpBackendConfig
 from inference.launch import ServerConfig, server_command, server_env
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.vllm_http import VLLMBackend
-from inference.weight_sync import WIRE_DIR, CollectiveSource, offer_path, weights_source
+from inference.weight_source import WIRE_DIR, CollectiveSource, offer_path, weights_source
 from inference.weight_wire import rlgate_weight_wire as wire
 from trainer.config import RunConfig
-from trainer.weight_sync import WeightServer, hf_state
-from trainer.weight_sync_steps import StepWeights, save_due
+from trainer.weight_server import WeightServer, hf_state
+from trainer.weight_publish import StepWeights, save_due
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ snapshot as rank 0 once the receivers join.
 Ordering contract (the whole sequence: docs/weight-sync.md):
 
 - a snapshot is published *before* the version is committed to the store,
-  and its offer file (`inference.weight_sync.offer_path`) is written before
+  and its offer file (`inference.weight_source.offer_path`) is written before
   that commit too, so the gateway never sees a version it cannot fetch;
 - the server keeps only the newest version of a run; a request for any
   other version gets 409, and the gateway then loads that version from disk
@@ -22,7 +22,7 @@ Ordering contract (the whole sequence: docs/weight-sync.md):
   version meanwhile replaces the run's entry, not the tensors being sent.
 
 When a version's checkpoint is written, and the offer file that tells the
-gateway about the snapshot: `trainer.weight_sync_steps`.
+gateway about the snapshot: `trainer.weight_publish`.
 
 Access: the server listens on `host` only (`weight_sync_host`, loopback by
 default; never a wildcard). With a `secret` (`weight_sync_secret`; required

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from inference.weight_sync import offer_path, saved
+from inference.weight_source import offer_path, saved
 from trainer.config import RunConfig
-from trainer.weight_sync import WeightServer
+from trainer.weight_server import WeightServer
 
 logger = logging.getLogger(__name__)
 
