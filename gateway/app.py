@@ -58,7 +58,7 @@ from gateway.routes import (
     run_status,
     runs,
 )
-from trainer.celery_app import make_celery
+from trainer.submit import make_celery
 
 logger = logging.getLogger(__name__)
 

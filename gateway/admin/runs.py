@@ -23,7 +23,7 @@ from inference import registry
 from inference.lora import missing_lora_targets
 from inference.models import resolve_model
 from trainer.config import RunConfig
-from trainer.engine_check import engine_unavailable
+from trainer.submit import engine_unavailable
 
 
 class RunService:
