@@ -135,11 +135,23 @@ def bench_capture(
         base1 = asyncio.run(_mode(url, False, agents, turns, seconds / 2))
         batched = asyncio.run(_mode(url, True, agents, turns, seconds))
         base2 = asyncio.run(_mode(url, False, agents, turns, seconds / 2))
+    return summary(url.split("://")[0], agents, turns, base1, batched, base2)
+
+
+def summary(
+    database: str,
+    agents: int,
+    turns: int,
+    base1: dict[str, Any],
+    batched: dict[str, Any],
+    base2: dict[str, Any],
+) -> dict[str, Any]:
+    """The bench's JSON from its three measured modes (baseline, batched, baseline)."""
     base_rate = (base1["stored"] + base2["stored"]) / (base1["seconds"] + base2["seconds"])
     lost = sum(m["acknowledged"] - m["stored"] for m in (base1, batched, base2))
     return {
         "bench": "capture",
-        "database": url.split("://")[0],
+        "database": database,
         "agents": agents,
         "turns": turns,
         "completions_per_s": batched["completions_per_s"],

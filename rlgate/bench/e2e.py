@@ -171,6 +171,11 @@ def bench_e2e(
                     f"({r['steps']} steps, {r['sampled']} sampled)",
                     file=sys.stderr,
                 )
+    return summary(agents, results)
+
+
+def summary(agents: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bench's JSON: each mode, and the best asynchronous mode against the synchronous one."""
     sync = next((r for r in results if r["max_staleness"] == 0), None)
     best_async = max(
         (r for r in results if r["max_staleness"] > 0), key=lambda r: r["samples_per_s"]

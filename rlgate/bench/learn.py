@@ -192,9 +192,16 @@ def one_seed(cfg: LearnConfig, model_dir: Path, base_reward: float, out: Path) -
         "curve": _rlgate_curve(side, cfg.completions_per_step),
     }
     rl["heldout"] = evaluate(Path(side["final_dir"]), model_dir, cfg)
+    return seed_summary(cfg.seed, base_reward, trl, rl)
+
+
+def seed_summary(
+    seed: int, base_reward: float, trl: dict[str, Any], rl: dict[str, Any]
+) -> dict[str, Any]:
+    """One seed's figures from both sides' (`heldout`, `finish_s`, `trained_fraction`, ...)."""
     trl_gain, rl_gain = trl["heldout"] - base_reward, rl["heldout"] - base_reward
     return {
-        "seed": cfg.seed,
+        "seed": seed,
         "base": base_reward,
         "trl": trl,
         "rlgate": rl,
@@ -276,8 +283,15 @@ def bench_learn(cfg: LearnConfig, seeds: list[int], out: Path) -> dict[str, Any]
         results.append(one_seed(seed_cfg, model_dir, base, out / f"seed{seed}"))
         _print_seed(results[-1])
     plot(results, out / "learn.png")
+    result = summary(results, base, out)
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def summary(results: list[dict[str, Any]], base: float, out: Path) -> dict[str, Any]:
+    """The bench's JSON: the seeds' means (`reward_ratio` only if TRL gained on every seed)."""
     ratios = [r["reward_ratio"] for r in results if r["reward_ratio"] is not None]
-    summary = {
+    return {
         "bench": "learn",
         "reward_ratio": statistics.fmean(ratios) if len(ratios) == len(results) else None,
         "wall_ratio": statistics.fmean(r["wall_ratio"] for r in results),
@@ -286,8 +300,6 @@ def bench_learn(cfg: LearnConfig, seeds: list[int], out: Path) -> dict[str, Any]
         "seeds": [_without_curves(r) for r in results],
         "out": str(out),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -309,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = LearnConfig(**{k: v for k, v in vars(args).items() if k in names})
     out = args.out or Path(tempfile.mkdtemp(prefix="rlgate-bench-learn-"))
     out.mkdir(parents=True, exist_ok=True)
-    summary = bench_learn(cfg, [int(s) for s in args.seeds.split(",")], out.resolve())
+    result = bench_learn(cfg, [int(s) for s in args.seeds.split(",")], out.resolve())
     print(f"wrote {out / 'learn.png'} and {out / 'summary.json'}")
-    print(json.dumps(summary))
+    print(json.dumps(result))
     return 0

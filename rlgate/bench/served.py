@@ -14,10 +14,7 @@ Settings, all in one run and interleaved step by step so that drift on a
 shared machine hits them alike:
 
 - `local`: the local engine (the baseline of every ratio);
-- `fsdp<N>`: `engine: fsdp, world_size: N` on resident ranks;
-- `fsdp<N>-per-step` (unless `--no-per-step`): the same on a second stack
-  whose worker has `RLGATE_RESIDENT_RANKS=false`, a torchrun group per step
-  (the path before resident ranks).
+- `fsdp<N>`: `engine: fsdp, world_size: N` on resident ranks.
 
 Medians over `steps` steps; `served_ratio` per setting = its median / local's.
 The last printed line is one JSON object.
@@ -46,7 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=4, help="episodes per group")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--world-sizes", default="1,2", help="FSDP settings, comma-separated")
-    p.add_argument("--no-per-step", action="store_true", help="skip the torchrun-per-step stack")
     return p
 
 
@@ -87,33 +83,21 @@ def run(args: argparse.Namespace) -> int:
 
     cache = model_cache(args.cache_dir)
     sizes = [int(w) for w in args.world_sizes.split(",") if w]
-    settings_by_stack = {"resident": {}, **({} if args.no_per_step else {"per-step": {}})}
-    runs: dict[str, tuple[str, dict]] = {"local": ("resident", {})}
+    engines: dict[str, dict[str, Any]] = {"local": {}}
     for w in sizes:
-        runs[f"fsdp{w}"] = ("resident", {"engine": "fsdp", "world_size": w})
-        if not args.no_per_step:
-            runs[f"fsdp{w}-per-step"] = ("per-step", {"engine": "fsdp", "world_size": w})
+        engines[f"fsdp{w}"] = {"engine": "fsdp", "world_size": w}
     with work_dir("served", args.work_dir) as work, ExitStack() as stack:
-        urls = {}
-        for name in settings_by_stack:
-            settings = Settings(
-                data_dir=work / name,
-                admin_key=ADMIN_KEY,
-                dev_mode=False,
-                model_cache_dir=cache,
-                resident_ranks=name == "resident",
+        settings = Settings(
+            data_dir=work / "data", admin_key=ADMIN_KEY, dev_mode=False, model_cache_dir=cache
+        )
+        url = stack.enter_context(embedded_stack(settings, "127.0.0.1", 0, work))
+        admin = stack.enter_context(
+            httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=600
             )
-            urls[name] = stack.enter_context(embedded_stack(settings, "127.0.0.1", 0, work / name))
-        admins = {
-            name: stack.enter_context(
-                httpx.Client(
-                    base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=600
-                )
-            )
-            for name, url in urls.items()
-        }
+        )
         created = {}
-        for name, (where, engine) in runs.items():
+        for name, engine in engines.items():
             config = {
                 "group_size": args.group_size,
                 "groups_per_step": args.groups,
@@ -121,35 +105,40 @@ def run(args: argparse.Namespace) -> int:
                 **engine,
             }
             body = {"name": name, "model": str(args.model), "config": config}
-            r = admins[where].post("/admin/v1/runs", json=body)
+            r = admin.post("/admin/v1/runs", json=body)
             r.raise_for_status()
             created[name] = r.json()
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        seconds: dict[str, list[float]] = {name: [] for name in engines}
         for step in range(args.steps):
-            for name, (where, _) in runs.items():
-                run_info = created[name]
+            for name, run_info in created.items():
                 _play(run_info["base_url"], run_info["api_key"], name, f"s{step}", args)
                 t0 = time.perf_counter()
-                _wait_served(admins[where], run_info["run_id"], step + 1)
+                _wait_served(admin, run_info["run_id"], step + 1)
                 seconds[name].append(time.perf_counter() - t0)
                 print(f"{name} step {step}: {seconds[name][-1]:.2f} s", flush=True)
-    med = {name: statistics.median(s) for name, s in seconds.items()}
+    result = summary(str(args.model), args.steps, seconds)
+    med = result["median_s"]
     print(
         f"reward -> served ({args.model}, {args.groups} x {args.group_size} episodes, "
         f"{args.max_tokens} tokens, median of {args.steps} steps, interleaved):"
     )
     for name, m in med.items():
         print(f"  {name}: {m:.2f} s  ({m / med['local']:.2f}x local)")
-    result = {
+    print(json.dumps(result))
+    return 0
+
+
+def summary(model: str, steps: int, seconds: dict[str, list[float]]) -> dict[str, Any]:
+    """The bench's JSON: each run's seconds from last reward to served, medians against local."""
+    med = {name: statistics.median(s) for name, s in seconds.items()}
+    return {
         "bench": "served",
-        "model": str(args.model),
-        "steps": args.steps,
+        "model": model,
+        "steps": steps,
         "seconds": seconds,
         "median_s": med,
         "served_ratio": {name: m / med["local"] for name, m in med.items() if name != "local"},
     }
-    print(json.dumps(result))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,21 @@ def _time_swaps(
     return swaps, restarts
 
 
+def summary(model: str, swaps: list[float], restarts: list[float]) -> dict[str, Any]:
+    """The bench's JSON: median seconds of a hot swap and of a restart, and their ratio."""
+    swap_s, restart_s = statistics.median(swaps), statistics.median(restarts)
+    return {
+        "bench": "swap",
+        "model": model,
+        "hot_swap_s": swap_s,
+        "restart_s": restart_s,
+        "ratio": swap_s / restart_s,
+        "speedup": restart_s / swap_s,
+        "repeats": len(swaps),
+        "restarts": len(restarts),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from core.settings import Settings
     from inference.models import resolve_model
@@ -124,17 +139,8 @@ def run(args: argparse.Namespace) -> int:
     base = resolve_model(args.model, bench_dirs.model_cache(args.cache_dir))
     with bench_dirs.work_dir("swap", args.work_dir) as work:
         swaps, restarts = _time_swaps(args, settings, base, work)
-    swap_s, restart_s = statistics.median(swaps), statistics.median(restarts)
-    result: dict[str, Any] = {
-        "bench": "swap",
-        "model": args.model,
-        "hot_swap_s": swap_s,
-        "restart_s": restart_s,
-        "ratio": swap_s / restart_s,
-        "speedup": restart_s / swap_s,
-        "repeats": args.repeats,
-        "restarts": args.restarts,
-    }
+    result = summary(args.model, swaps, restarts)
+    swap_s, restart_s = result["hot_swap_s"], result["restart_s"]
     print(
         f"hot swap {swap_s:.3f} s vs restart {restart_s:.1f} s: ratio {result['ratio']:.4f} "
         f"({result['speedup']:.0f}x faster)"

@@ -163,19 +163,18 @@ def model_bytes(model_dir: Path) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def run(args: argparse.Namespace) -> int:
-    from inference.models import resolve_model
-
-    cache = bench_dirs.model_cache(args.cache_dir)
-    base = resolve_model(args.model, cache)
-    with bench_dirs.work_dir("tenants", args.work_dir) as work:
-        memory = measure_memory(args, base, cache, work)
-        adapter = next((work / "data" / "checkpoints").glob("*/v1"))
-        adapters, fulls = asyncio.run(measure_swaps(base, adapter, args.repeats))
-        adapter_size = sum(f.stat().st_size for f in adapter.glob("adapter_*"))
-    full_bytes = model_bytes(base)
+def summary(
+    args: argparse.Namespace,
+    memory: dict[str, int],
+    full_bytes: int,
+    adapter_size: int,
+    adapters: list[float],
+    fulls: list[float],
+) -> dict[str, Any]:
+    """The bench's JSON: memory of the extra runs and adapter swap seconds, each against a full
+    model's (`memory` is what `measure_memory` returns)."""
     adapter_s, full_s = statistics.median(adapters), statistics.median(fulls)
-    result: dict[str, Any] = {
+    return {
         "bench": "tenants",
         "model": args.model,
         "runs": args.runs,
@@ -191,11 +190,24 @@ def run(args: argparse.Namespace) -> int:
         "swap_ratio": adapter_s / full_s,
         "repeats": args.repeats,
     }
+
+
+def run(args: argparse.Namespace) -> int:
+    from inference.models import resolve_model
+
+    cache = bench_dirs.model_cache(args.cache_dir)
+    base = resolve_model(args.model, cache)
+    with bench_dirs.work_dir("tenants", args.work_dir) as work:
+        memory = measure_memory(args, base, cache, work)
+        adapter = next((work / "data" / "checkpoints").glob("*/v1"))
+        adapters, fulls = asyncio.run(measure_swaps(base, adapter, args.repeats))
+        adapter_size = sum(f.stat().st_size for f in adapter.glob("adapter_*"))
+    result = summary(args, memory, model_bytes(base), adapter_size, adapters, fulls)
     print(
         f"{args.runs - 1} extra LoRA runs: {memory['rss_growth'] / 1e6:.0f} MB = "
-        f"{result['memory_ratio']:.1%} of one model ({full_bytes / 1e6:.0f} MB); "
-        f"adapter swap {adapter_s * 1e3:.0f} ms vs full swap {full_s * 1e3:.0f} ms: "
-        f"ratio {result['swap_ratio']:.3f}"
+        f"{result['memory_ratio']:.1%} of one model ({result['model_bytes'] / 1e6:.0f} MB); "
+        f"adapter swap {result['adapter_swap_s'] * 1e3:.0f} ms vs full swap "
+        f"{result['full_swap_s'] * 1e3:.0f} ms: ratio {result['swap_ratio']:.3f}"
     )
     print(json.dumps(result))
     return 0

@@ -11,10 +11,9 @@ the median is reported.
 against a bare transformers loop on the same batch (`rlgate.bench.train_step`).
 
 `fsdp_step_ratio` (with `--engine fsdp --world-size N`): the same step on the
-run's resident FSDP ranks against the local engine, and `fsdp_per_step_ratio`,
-the path before resident ranks (`rlgate.bench.train_fsdp`); and `swap_s`, a
-new version into a vLLM CPU server from disk and over a gloo collective
-(`weight_sync`, `rlgate.bench.train_swap`; `--no-swap` skips it).
+run's resident FSDP ranks against the local engine (`rlgate.bench.train_fsdp`);
+and `swap_s`, a new version into a vLLM CPU server from disk and over a gloo
+collective (`weight_sync`, `rlgate.bench.train_swap`; `--no-swap` skips it).
 Both parts run on the same torch thread count, printed. The last printed
 line is one JSON object.
 """
@@ -111,26 +110,35 @@ def bench_train(
                     rates[mode].append(tokens / seconds)
     finally:
         engine.close()
-    packed, padded = (statistics.median(rates[m]) for m in modes)
     for mode in modes:
         print(
             f"{mode}: {statistics.median(rates[mode]):.0f} tokens/s "
             f"(median of {repeats}; {n_samples} samples, {tokens} tokens, "
             f"{micro[mode]:.0f} micro-batches)"
         )
-    return {
-        "bench": "train",
-        "model": model,
-        "samples": n_samples,
-        "tokens": tokens,
-        "pack_tokens": pack_tokens,
-        "micro_batch_size": micro_batch_size,
-        "repeats": repeats,
-        "threads": threads,
+    shape = {"samples": n_samples, "tokens": tokens, "pack_tokens": pack_tokens}
+    return packing_figures(
+        rates, shape | {"micro_batch_size": micro_batch_size, "threads": threads}
+    )
+
+
+def packing_figures(rates: dict[str, list[float]], shape: dict[str, Any]) -> dict[str, Any]:
+    """The `ratio` part of the bench's JSON from each mode's timed tokens/s (`packed`, `padded`)."""
+    packed, padded = statistics.median(rates["packed"]), statistics.median(rates["padded"])
+    return shape | {
+        "repeats": len(rates["packed"]),
         "packed_tokens_per_s": packed,
         "padded_tokens_per_s": padded,
         "ratio": packed / padded,
     }
+
+
+def summary(model: str, *parts: dict[str, Any]) -> dict[str, Any]:
+    """The bench's JSON: its parts' figures (fsdp and swap first, when run), under one header."""
+    out: dict[str, Any] = {"bench": "train", "model": model}
+    for part in parts:
+        out |= part
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -161,11 +169,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--world-size", type=int, default=1, help="--engine fsdp: ranks")
     p.add_argument(
-        "--no-per-step",
-        action="store_true",
-        help="--engine fsdp: skip the side with a torchrun group per step (before resident ranks)",
-    )
-    p.add_argument(
         "--no-swap",
         action="store_true",
         help="--engine fsdp: skip swap_s (a version into a vLLM CPU server, disk vs collective)",
@@ -188,37 +191,39 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or Settings().threads().trainer
     print(f"torch threads: {threads}")
     model_dir = resolve_model(args.model, model_cache(args.cache_dir))
-    result: dict = {"bench": "train", "model": args.model}
+    parts: list[dict[str, Any]] = []
     if args.engine == "fsdp":
         from rlgate.bench.train_fsdp import bench_fsdp_step_ratio
 
         with work_dir("train-fsdp", args.work_dir) as work:
-            result |= bench_fsdp_step_ratio(
-                model_dir, work, threads, args.step_repeats, args.world_size, not args.no_per_step
+            parts.append(
+                bench_fsdp_step_ratio(model_dir, work, threads, args.step_repeats, args.world_size)
             )
         if not args.no_swap:
             from rlgate.bench.train_swap import bench_swap
 
             with work_dir("train-swap", args.work_dir) as work:
-                result |= bench_swap(model_dir, work, args.swap_repeats)
+                parts.append(bench_swap(model_dir, work, args.swap_repeats))
         if args.fsdp_only:
-            print(json.dumps(result))
+            print(json.dumps(summary(args.model, *parts)))
             return 0
-    result |= bench_train(
-        model=args.model,
-        cache_dir=args.cache_dir,
-        n_samples=args.samples,
-        min_len=args.min_len,
-        max_len=args.max_len,
-        micro_batch_size=args.micro_batch_size,
-        pack_tokens=args.pack_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        threads=threads,
+    parts.append(
+        bench_train(
+            model=args.model,
+            cache_dir=args.cache_dir,
+            n_samples=args.samples,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            micro_batch_size=args.micro_batch_size,
+            pack_tokens=args.pack_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+            threads=threads,
+        )
     )
     with work_dir("train", args.work_dir) as work:
-        result |= bench_step_ratio(model_dir, work, threads, args.step_repeats)
-    print(json.dumps(result))
+        parts.append(bench_step_ratio(model_dir, work, threads, args.step_repeats))
+    print(json.dumps(summary(args.model, *parts)))
     return 0
 
 

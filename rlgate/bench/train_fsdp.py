@@ -9,8 +9,6 @@ trains, writes the checkpoint of version N+1 and commits the version bump.
 - fsdp: the run's resident torchrun ranks (`trainer.resident_pool`),
   `world_size` ranks of `threads / world_size` threads each (the trainer's
   split), float32 like the local engine.
-- per-step (unless `per_step=False`): the same FSDP run on the path before
-  resident ranks, a fresh torchrun group per step (`RLGATE_RESIDENT_RANKS=false`).
 
 The sides alternate step by step so that drift on a shared machine hits them
 alike; the first step of each (loading, and for FSDP starting the group) is
@@ -33,7 +31,6 @@ def bench_fsdp_step_ratio(
     threads: int,
     repeats: int,
     world_size: int,
-    per_step: bool = True,
 ) -> dict[str, Any]:
     """Seconds of a warm step per side (medians of `repeats`) and the ratios to local."""
     import torch
@@ -49,14 +46,10 @@ def bench_fsdp_step_ratio(
     settings = Settings(data_dir=work / "fsdp", trainer_threads=threads, dev_mode=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
-    sides = {"local": local_cfg, "fsdp": fsdp_cfg} | ({"per_step": fsdp_cfg} if per_step else {})
+    sides = {"local": local_cfg, "fsdp": fsdp_cfg}
     for name, cfg in sides.items():
         seed_store(url, model_dir, cfg, repeats + 1, shape, name)
-    trainers = {
-        "local": Trainer(settings),
-        "fsdp": Trainer(settings),
-        "per_step": Trainer(settings.model_copy(update={"resident_ranks": False})),
-    }
+    trainers = {name: Trainer(settings) for name in sides}
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     try:
         for step in range(repeats + 1):
@@ -69,19 +62,22 @@ def bench_fsdp_step_ratio(
             trainer.close()
             trainer.sessions.kw["bind"].dispose()
 
-    med = {name: statistics.median(s[1:]) for name, s in seconds.items()}
+    result = fsdp_figures(seconds, world_size, threads)
     print(
         f"fsdp step ({shape.completions} completions, float32, world size {world_size}, "
         f"{threads} torch threads in all, median of {repeats} warm steps, interleaved):"
     )
-    for name, label in (
-        ("local", "local engine"),
-        ("fsdp", "FSDP, resident ranks"),
-        ("per_step", "FSDP, a torchrun group per step"),
-    ):
-        if name in med:
-            print(f"  {label}: {med[name]:.3f} s (first step {seconds[name][0]:.2f} s)")
-    result = {
+    for name, label in (("local", "local engine"), ("fsdp", "FSDP, resident ranks")):
+        med = statistics.median(seconds[name][1:])
+        print(f"  {label}: {med:.3f} s (first step {seconds[name][0]:.2f} s)")
+    print(f"  fsdp_step_ratio: {result['fsdp_step_ratio']:.2f}")
+    return result
+
+
+def fsdp_figures(seconds: dict[str, list[float]], world_size: int, threads: int) -> dict[str, Any]:
+    """The `fsdp_step_ratio` part of the bench's JSON from each side's step seconds."""
+    med = {name: statistics.median(s[1:]) for name, s in seconds.items()}
+    return {
         "fsdp_world_size": world_size,
         "fsdp_threads": threads,
         "local_step_s": med["local"],
@@ -89,9 +85,3 @@ def bench_fsdp_step_ratio(
         "fsdp_first_step_s": seconds["fsdp"][0],
         "fsdp_step_ratio": med["fsdp"] / med["local"],
     }
-    print(f"  fsdp_step_ratio: {result['fsdp_step_ratio']:.2f}")
-    if "per_step" in med:
-        result["fsdp_per_step_s"] = med["per_step"]
-        result["fsdp_per_step_ratio"] = med["per_step"] / med["local"]
-        print(f"  fsdp_per_step_ratio (before resident ranks): {result['fsdp_per_step_ratio']:.2f}")
-    return result

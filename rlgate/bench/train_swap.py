@@ -38,7 +38,7 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     from inference.launch import ServerConfig, install_vllm, running_server
     from inference.types import GenerateRequest, SamplingParams
     from inference.vllm_http import VLLMBackend
-    from inference.weight_sync import CollectiveSource
+    from inference.weight_source import CollectiveSource
     from rlgate.stack import free_port
     from trainer.hf_io import write_untied_hf
     from trainer.weight_publish import write_offer
@@ -107,18 +107,26 @@ def bench_swap(model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     if served != expected[: len(served)]:
         raise RuntimeError(f"vLLM serves other weights than the trainer's: {served} != {expected}")
 
-    swap = {mode: statistics.median(s) for mode, s in seconds.items()}
-    part = {mode: statistics.median(s) for mode, s in trainer_s.items()}
+    result = swap_figures(seconds, trainer_s, nbytes)
+    swap, part = result["swap_s"], result["swap_trainer_s"]
     print(f"weight swap into vLLM CPU ({model_dir.name}, float32, median of {repeats}):")
     for mode in ("disk", "collective"):
         print(
             f"  {mode}: {swap[mode]:.3f} s (trainer's part {part[mode]:.3f} s, "
             f"{nbytes[mode] / 1e6:.1f} MB)"
         )
-    print(f"  collective / disk: {swap['collective'] / swap['disk']:.2f}")
+    print(f"  collective / disk: {result['swap_ratio']:.2f}")
+    return result
+
+
+def swap_figures(
+    seconds: dict[str, list[float]], trainer_s: dict[str, list[float]], nbytes: dict[str, int]
+) -> dict[str, Any]:
+    """The `swap_s` part of the bench's JSON: median seconds per mode (`disk`, `collective`)."""
+    swap = {mode: statistics.median(s) for mode, s in seconds.items()}
     return {
         "swap_s": swap,
-        "swap_trainer_s": part,
+        "swap_trainer_s": {mode: statistics.median(s) for mode, s in trainer_s.items()},
         "swap_bytes": nbytes,
         "swap_ratio": swap["collective"] / swap["disk"],
     }
