@@ -13,6 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.datastructures import QueryParams
 
+from gateway.dashboard.pages import PagesDep
+from gateway.dashboard.summary import runs_summary
 from gateway.deps import AgentBaseUrlDep, PageSessionDep
 
 # (series name in the metrics feed, caption, log y axis by default)
@@ -77,39 +79,40 @@ def episode_filters(query: QueryParams) -> tuple[dict[str, str | None], dict[str
     return raw, parsed
 
 
-def install_analysis(router: APIRouter, page: Callable[..., Response], runs_summary: Any) -> None:
-    """Add the compare and group pages to the dashboard's router."""
+router = APIRouter(include_in_schema=False)
 
-    @router.get("/compare", dependencies=[PageSessionDep])
-    async def compare_page(request: Request, base_url: AgentBaseUrlDep) -> Response:
-        runs = await runs_summary(request, base_url)
-        by_id = {r["run_id"]: r for r in runs}
-        wanted = list(dict.fromkeys(request.query_params.getlist("run")))
-        unknown = [w for w in wanted if w not in by_id]
-        chosen = [by_id[w] for w in wanted if w in by_id][:MAX_COMPARED]
-        names = [r["name"] for r in chosen]
 
-        def label(r: dict[str, Any]) -> str:  # two runs of one name are told apart by their ids
-            return r["name"] if names.count(r["name"]) == 1 else f"{r['name']} ({r['run_id']})"
+@router.get("/compare", dependencies=[PageSessionDep])
+async def compare_page(request: Request, base_url: AgentBaseUrlDep, pages: PagesDep) -> Response:
+    runs = await runs_summary(request, base_url)
+    by_id = {r["run_id"]: r for r in runs}
+    wanted = list(dict.fromkeys(request.query_params.getlist("run")))
+    unknown = [w for w in wanted if w not in by_id]
+    chosen = [by_id[w] for w in wanted if w in by_id][:MAX_COMPARED]
+    names = [r["name"] for r in chosen]
 
-        selected = [r | {"color": PALETTE[i], "label": label(r)} for i, r in enumerate(chosen)]
-        error = None
-        if unknown:
-            error = "no run " + ", ".join(repr(u) for u in unknown[:5])
-        elif len(wanted) > MAX_COMPARED:
-            error = f"at most {MAX_COMPARED} runs at once: the first {MAX_COMPARED} are shown"
-        return page(
-            request,
-            "compare.html",
-            runs=runs,
-            selected=selected,
-            selected_ids={r["run_id"] for r in selected},
-            selected_runs=[{k: r[k] for k in ("run_id", "label", "color")} for r in selected],
-            compare_charts=COMPARE_CHARTS,
-            error=error,
-        )
+    def label(r: dict[str, Any]) -> str:  # two runs of one name are told apart by their ids
+        return r["name"] if names.count(r["name"]) == 1 else f"{r['name']} ({r['run_id']})"
 
-    @router.get("/runs/{run_id}/groups/{group_id}", dependencies=[PageSessionDep])
-    async def group_page(run_id: str, group_id: str, request: Request) -> Response:
-        group = await request.app.state.episode_admin.group(run_id, group_id)
-        return page(request, "group.html", group=group.model_dump())
+    selected = [r | {"color": PALETTE[i], "label": label(r)} for i, r in enumerate(chosen)]
+    error = None
+    if unknown:
+        error = "no run " + ", ".join(repr(u) for u in unknown[:5])
+    elif len(wanted) > MAX_COMPARED:
+        error = f"at most {MAX_COMPARED} runs at once: the first {MAX_COMPARED} are shown"
+    return pages.render(
+        request,
+        "compare.html",
+        runs=runs,
+        selected=selected,
+        selected_ids={r["run_id"] for r in selected},
+        selected_runs=[{k: r[k] for k in ("run_id", "label", "color")} for r in selected],
+        compare_charts=COMPARE_CHARTS,
+        error=error,
+    )
+
+
+@router.get("/runs/{run_id}/groups/{group_id}", dependencies=[PageSessionDep])
+async def group_page(run_id: str, group_id: str, request: Request, pages: PagesDep) -> Response:
+    group = await request.app.state.episode_admin.group(run_id, group_id)
+    return pages.render(request, "group.html", group=group.model_dump())

@@ -14,7 +14,7 @@ from core.store.models import TrainStep
 from gateway.admin.metrics import _point
 from gateway.admin.run_ops import tar_stream
 from gateway.dashboard.auth import SessionSigner
-from gateway.dashboard.routes import logprob_colour
+from gateway.dashboard.pages import logprob_colour
 
 
 def test_session_cookie_round_trip_tamper_and_expiry() -> None:
