@@ -4,11 +4,11 @@ A gateway process imports transformers, torch and their dependencies: millions
 of Python objects that live as long as the process. CPython's cyclic collector
 walks every tracked object on each full collection, and its default
 thresholds (700, 10, 10) run a young collection every 700 net allocations, a
-handful of times per request. Under load that walking took a third of the
-gateway's CPU: with the heap frozen after start-up and larger thresholds,
-`POST /v1/completions` on one process went from about 470 to 690 requests/s
-against the same stub (docs/benchmarks.md). Reference counting still frees
-everything without cycles at once; cycles are collected as before, less often.
+handful of times per request. Under load that walking costs about a third of
+the gateway's CPU; freezing the heap after start-up and raising the thresholds
+gives it back (the gateway bench, docs/benchmarks.md). Reference counting still
+frees everything without cycles at once; cycles are collected as before, less
+often.
 
 Only for server processes (`rlgate.serve`): frozen objects are never collected,
 which suits a process that starts once, not a test process that builds many

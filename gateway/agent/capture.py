@@ -11,9 +11,8 @@ Ordering contract:
   while a commit is in flight wait and go out together in the next one (at
   most `max_batch` rows; `linger_s` optionally waits a little longer for
   more). Under load this turns N commits into N / batch commits; with one
-  request at a time it adds no latency. (Two writers, a second commit in
-  flight beside the first, made a row's commit slower at 4 clients, not
-  faster: measured and left out.)
+  request at a time it adds no latency. (One writer, not two: a second
+  commit in flight beside the first makes a row's commit slower, not faster.)
 * A batch is all-or-nothing. If it fails on a row (an integrity error), the
   batch is rolled back and its requests are retried one transaction each, so
   one bad row fails only its own request. An episode that another gateway

@@ -54,15 +54,15 @@ admitted, so a run whose trainer is behind cannot starve the other runs.
 Reservations (admitted, not stored) end when the episode shows up in the
 store, or after `reservation_ttl_s` for a request that failed before storing.
 
-The count. Counting the store for every new conversation cost three reads
-each (a third of the gateway's CPU under load, growing with the run's open
-episodes). So each process keeps one count per run, taken by one query that
+The count. Counting the store for every new conversation would cost three
+reads each (a third of the gateway's CPU under load, growing with the run's
+open episodes). So each process keeps one count per run, taken by one query that
 every concurrent caller shares, and a call that fits under a count at most
 `poll_s` old is admitted without reading the store. A count older than that
 is taken again in the background while calls go on under the kept one, for
-up to `stale_s`: a caller that waited for the recount stalled every new
-conversation of the process for the query's time, twice a second (25 ms at
-155,000 open episodes, and growing with the run). Within one
+up to `stale_s`: a caller that waited for the recount would stall every new
+conversation of the process for the query's time (which grows with the run's
+open episodes), twice a second. Within one
 process the kept count never under-counts: what it admitted since is in its
 reservations, and what the trainer consumed since only makes the true load
 smaller. That holds while a recount is in flight because the recount drops
@@ -103,15 +103,18 @@ RETRY_AFTER_S = 60  # the most the openai SDK's default retries honour
 def group_capacity(cfg: RunConfig, lag: int = 0) -> int | None:
     """Group units a run admits while its backend serves `lag` versions behind the store's
     newest; None under a `max_pending_episodes` override."""
-    if cfg.max_pending_episodes is not None:
-        return None
+    return None if cfg.max_pending_episodes is not None else _staleness_groups(cfg, lag)
+
+
+def _staleness_groups(cfg: RunConfig, lag: int) -> int:
     return max(0, cfg.max_staleness + 1 - lag) * cfg.groups_per_step
 
 
 def capacity(cfg: RunConfig, lag: int = 0) -> int:
     """The same in episodes: `(max_staleness + 1 - lag) x group_size x groups_per_step`."""
-    groups = group_capacity(cfg, lag)
-    return cfg.max_pending_episodes if groups is None else groups * cfg.group_size
+    if cfg.max_pending_episodes is not None:
+        return cfg.max_pending_episodes
+    return _staleness_groups(cfg, lag) * cfg.group_size
 
 
 def units(load: Counter[str], group_size: int) -> int:
@@ -128,7 +131,7 @@ def fits(load: Counter[str], group: str, n: int, cfg: RunConfig, lag: int = 0) -
     joins = after == before and load[group] > 0  # fills a group short of members
     if cfg.max_pending_episodes is not None:
         return (joins and group != UNGROUPED) or (load.total() + n <= cfg.max_pending_episodes)
-    return joins or after <= group_capacity(cfg, lag)
+    return joins or after <= _staleness_groups(cfg, lag)
 
 
 def run_unavailable(run_id: str, status: str) -> RateLimited:
@@ -144,7 +147,9 @@ def episode_ids(placement: Placement, n: int) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Usage:
+class CapacityUsage:
+    """A run's admission capacity in force and what fills it (`Admission.usage`)."""
+
     capacity: int  # episodes
     in_use: int  # unconsumed episodes, reservations included
     group_capacity: int | None  # group units (None: max_pending_episodes overrides)
@@ -210,7 +215,7 @@ class Reservations:
 
 
 @dataclass
-class _Gate:
+class _RunAdmission:
     """One run's admission state in this process."""
 
     reserved: Reservations = field(default_factory=Reservations)
@@ -238,26 +243,26 @@ class Admission:
         self.poll_s = poll_s
         self.stale_s = max(stale_s, poll_s)  # calls go on under a count this old, no older
         self.reservation_ttl_s = reservation_ttl_s
-        self._gates: dict[str, _Gate] = {}
+        self._runs: dict[str, _RunAdmission] = {}
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """Return once the call may sample; raise RateLimited past `admission_wait_s`."""
         if placement.parent is not None:
             return  # a later turn of a stored episode
-        gate = self._gates.setdefault(run.id, _Gate())
+        state = self._runs.setdefault(run.id, _RunAdmission())
         ids = episode_ids(placement, n)
-        if any(i in gate.reserved for i in ids):
+        if any(i in state.reserved for i in ids):
             return  # a concurrent turn of an episode admitted here, not stored yet
         group = placement.group_id or UNGROUPED
-        if not gate.waiters:  # FIFO: nobody overtakes those already waiting
+        if not state.waiters:  # FIFO: nobody overtakes those already waiting
             # the kept count first; a call it turns away gets a fresh count before it waits
             for max_age_s, stale_s in ((self.poll_s, self.stale_s), (0.0, 0.0)):
-                load = await self._load(run.id, gate, max_age_s, stale_s)
-                if fits(load, group, len(ids), cfg, self._lag_of(run, gate)):
+                load = await self._load(run.id, state, max_age_s, stale_s)
+                if fits(load, group, len(ids), cfg, self._lag_of(run, state)):
                     # A named episode may exist already (a later turn): it is reserved all
                     # the same, counted twice until the next count finds it stored. Asking
                     # the store first would cost every new named conversation a read.
-                    self._reserve(gate, ids, group)
+                    self._reserve(state, ids, group)
                     return
         if placement.link != "new":
             async with self.sessions() as s:
@@ -270,13 +275,13 @@ class Admission:
         # taken again, in line, once it is admitted).
         async with slots_stepped_out():
             waiter = _Waiter(ids, group, asyncio.get_running_loop().create_future())
-            await self._wait(run, cfg, gate, waiter)
+            await self._wait(run, cfg, state, waiter)
 
-    async def _wait(self, run: Run, cfg: RunConfig, gate: _Gate, waiter: _Waiter) -> None:
+    async def _wait(self, run: Run, cfg: RunConfig, state: _RunAdmission, waiter: _Waiter) -> None:
         """In line until the poller admits `waiter`; RateLimited past `admission_wait_s`."""
-        gate.waiters.append(waiter)
-        if gate.poller is None or gate.poller.done():
-            gate.poller = asyncio.create_task(self._poll(run.id, gate), name=f"admit-{run.id}")
+        state.waiters.append(waiter)
+        if state.poller is None or state.poller.done():
+            state.poller = asyncio.create_task(self._poll(run.id, state), name=f"admit-{run.id}")
         try:
             await asyncio.wait_for(asyncio.shield(waiter.admitted), cfg.admission_wait_s)
         except TimeoutError:
@@ -287,49 +292,49 @@ class Admission:
             raise _over_capacity(run, cfg) from None
         finally:
             with contextlib.suppress(ValueError):
-                gate.waiters.remove(waiter)
+                state.waiters.remove(waiter)
 
-    async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> Usage:
+    async def usage(self, s: AsyncSession, run: Run, cfg: RunConfig) -> CapacityUsage:
         """The run's capacity in force and what fills it, as this process sees it."""
-        gate = self._gates.setdefault(run.id, _Gate())
+        state = self._runs.setdefault(run.id, _RunAdmission())
         # Counted on the caller's session: it holds a connection already, and asking the
         # pool for a second one while holding it could starve a full pool (every caller
         # holding one, waiting for one more).
-        await self._count(run.id, gate, s)
-        load = self._current(gate)
-        lag = self._lag_of(run, gate)
-        return Usage(
+        await self._count(run.id, state, s)
+        load = self._current(state)
+        lag = self._lag_of(run, state)
+        return CapacityUsage(
             capacity=capacity(cfg, lag),
             in_use=load.total(),
             group_capacity=group_capacity(cfg, lag),
             groups_in_use=units(load, cfg.group_size),
-            held=len(gate.waiters),
+            held=len(state.waiters),
         )
 
-    async def _poll(self, run_id: str, gate: _Gate) -> None:
+    async def _poll(self, run_id: str, state: _RunAdmission) -> None:
         """Re-count the store every `poll_s` and admit waiters in order while they fit."""
-        while gate.waiters:
+        while state.waiters:
             await asyncio.sleep(self.poll_s)
             try:
-                await self._admit_waiters(run_id, gate)
+                await self._admit_waiters(run_id, state)
             except Exception:  # the database away: keep holding, the deadline still applies
                 logger.exception("admission poll for run %s failed; retrying", run_id)
 
-    async def _admit_waiters(self, run_id: str, gate: _Gate) -> None:
+    async def _admit_waiters(self, run_id: str, state: _RunAdmission) -> None:
         async with self.sessions() as s:
             run = await s.get(Run, run_id)
             if run is None or run.status != "active":
                 error = run_unavailable(run_id, run.status if run else "deleted")
-                for w in gate.waiters:
+                for w in state.waiters:
                     if not w.admitted.done():
                         w.admitted.set_exception(error)
-                gate.waiters.clear()
+                state.waiters.clear()
                 return
             cfg = RunConfig.model_validate(run.config)
-        load = await self._load(run_id, gate, 0.0)
-        lag = self._lag_of(run, gate)
+        load = await self._load(run_id, state, 0.0)
+        lag = self._lag_of(run, state)
         blocked = False  # once one waiter does not fit, only those joining a group pass it
-        for w in list(gate.waiters):
+        for w in list(state.waiters):
             if w.admitted.done():
                 continue
             if not fits(load, w.group, len(w.ids), cfg, lag) or (
@@ -339,45 +344,47 @@ class Admission:
             ):
                 blocked = True
                 continue
-            self._reserve(gate, w.ids, w.group)
+            self._reserve(state, w.ids, w.group)
             load[w.group] += len(w.ids)
             w.admitted.set_result(None)
-            gate.waiters.remove(w)
+            state.waiters.remove(w)
 
-    def _lag_of(self, run: Run, gate: _Gate) -> int:
+    def _lag_of(self, run: Run, state: _RunAdmission) -> int:
         """Versions the run's backend in this process serves behind the store's newest
         (the caller's run may be a cached copy: the newer of it and the count's)."""
         serving = self.serving_version(run.id)
-        newest = max(run.current_version, gate.version)
+        newest = max(run.current_version, state.version)
         return 0 if serving is None else max(0, newest - serving)
 
-    def _reserve(self, gate: _Gate, ids: list[str], group: str) -> None:
-        gate.reserved.add(ids, group, time.monotonic() + self.reservation_ttl_s)
+    def _reserve(self, state: _RunAdmission, ids: list[str], group: str) -> None:
+        state.reserved.add(ids, group, time.monotonic() + self.reservation_ttl_s)
 
     async def _load(
-        self, run_id: str, gate: _Gate, max_age_s: float, stale_s: float = 0.0
+        self, run_id: str, state: _RunAdmission, max_age_s: float, stale_s: float = 0.0
     ) -> Counter[str]:
         """Unconsumed episodes per group: the store's as counted at most `max_age_s` ago
         (counted again otherwise, and waited for unless the kept count is at most
         `stale_s` old), plus reservations not stored yet."""
-        age = time.monotonic() - gate.counted_at
+        age = time.monotonic() - state.counted_at
         if age > max_age_s:
-            if gate.counting is None or gate.counting.done():
-                gate.counting = asyncio.create_task(self._count(run_id, gate))
-                gate.counting.add_done_callback(_log_count_failure)
+            if state.counting is None or state.counting.done():
+                state.counting = asyncio.create_task(self._count(run_id, state))
+                state.counting.add_done_callback(_log_count_failure)
             if age > stale_s:
-                await asyncio.shield(gate.counting)  # one count for every caller waiting on it
-        return self._current(gate)
+                await asyncio.shield(state.counting)  # one count for every caller waiting on it
+        return self._current(state)
 
     @staticmethod
-    def _current(gate: _Gate) -> Counter[str]:
+    def _current(state: _RunAdmission) -> Counter[str]:
         """The kept count plus the reservations not stored yet (expired ones dropped)."""
-        gate.reserved.expire(time.monotonic())
-        load = Counter(gate.stored)
-        load.update(gate.reserved.per_group)
+        state.reserved.expire(time.monotonic())
+        load = Counter(state.stored)
+        load.update(state.reserved.per_group)
         return load
 
-    async def _count(self, run_id: str, gate: _Gate, session: AsyncSession | None = None) -> None:
+    async def _count(
+        self, run_id: str, state: _RunAdmission, session: AsyncSession | None = None
+    ) -> None:
         """Count the store once (on `session`, else a session of its own), then at one
         instant drop the reservations found stored and keep the per-group count.
 
@@ -389,17 +396,18 @@ class Admission:
         """
         started = time.monotonic()
         async with contextlib.AsyncExitStack() as stack:
-            s = session or await stack.enter_async_context(self.sessions())
-            ids = gate.reserved.ids()
-            found = await stored_episode_ids(s, run_id, ids) if ids else []
-            stored = Counter(await unconsumed_by_group(s, run_id))
-            version = await run_version(s, run_id)
-        gate.version = max(gate.version, version or 0)
-        if started <= gate.counted_at:
+            if session is None:
+                session = await stack.enter_async_context(self.sessions())
+            ids = state.reserved.ids()
+            found = await stored_episode_ids(session, run_id, ids) if ids else []
+            stored = Counter(await unconsumed_by_group(session, run_id))
+            version = await run_version(session, run_id)
+        state.version = max(state.version, version or 0)
+        if started <= state.counted_at:
             return
         for i in found:
-            gate.reserved.drop(i)
-        gate.stored, gate.counted_at = stored, started
+            state.reserved.drop(i)
+        state.stored, state.counted_at = stored, started
 
 
 def _log_count_failure(task: asyncio.Task[None]) -> None:

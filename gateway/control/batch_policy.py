@@ -197,6 +197,12 @@ def select_batch(
     )
 
 
+def _reward(e: EpisodeSnapshot) -> float:
+    if e.reward is None:  # a rewarded episode always has one (`refresh_episode_status`)
+        raise ValueError(f"episode {e.id!r} is rewarded without a reward")
+    return float(e.reward)
+
+
 def _judge(
     members: list[EpisodeSnapshot], current_version: int, now: datetime, cfg: BatchConfig
 ) -> tuple[Verdict, list[EpisodeSnapshot]]:
@@ -218,7 +224,7 @@ def _judge(
         return Verdict.STALE, members
     if (
         cfg.zero_variance_groups == "skip"
-        and statistics.pstdev([float(e.reward) for e in members]) == 0.0
+        and statistics.pstdev([_reward(e) for e in members]) == 0.0
     ):
         return Verdict.ZERO_VARIANCE, members
     return Verdict.READY, members

@@ -4,9 +4,9 @@ PostgreSQL plans a session's repeated statements once and keeps the plan,
 including the ones behind every foreign-key check of an insert. A run starts
 on empty tables, so those plans are made for empty tables; as `episodes` and
 `completions` grow by hundreds of rows a second, a plan that scans a table
-costs more with every row. Measured: one gateway process fell from 820 to 430
-captured completions/s within 30 seconds of a fresh run, and came back to 820
-at once after an `ANALYZE` (which makes every session plan again).
+costs more with every row: a process's capture rate halves within half a
+minute of a fresh run, and recovers at once after an `ANALYZE` (which makes
+every session plan again).
 Autovacuum's analyze would fix it, but it may be off (it is on this project's
 CI machines) and by default waits for 10 % of a table to change, checked once
 a minute.

@@ -451,5 +451,5 @@ async def test_a_count_that_started_before_the_one_applied_is_dropped(
         assert newer.in_use == 0
         count.open.set()
         await older  # applied last
-    load = await admission._load(RUN, admission._gates[RUN], 3600, 3600)
+    load = await admission._load(RUN, admission._runs[RUN], 3600, 3600)
     assert load.total() == 0  # the older count did not bring "a" back
