@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from trainer.batch import Sample
@@ -192,13 +193,14 @@ class Engine(ABC):
         self.join_group()
         if (cfg.kl_coef > 0 or cfg.lora) and reference_dir is None:
             raise ValueError("kl_coef > 0 and LoRA runs need the base model's directory")
+        base_dir = Path(reference_dir) if reference_dir is not None else self.checkpoint_dir
         self.seed()
         # A LoRA run loads the base model and puts version N's adapter on it (trainer.lora).
         self.adapter_dir: Path | None = None
         self.peft_model = None  # the PeftModel around the policy's HF model (LoRA runs)
         model_dir = self.checkpoint_dir
         if cfg.lora:
-            model_dir = Path(reference_dir)
+            model_dir = base_dir
             self.adapter_dir = self.checkpoint_dir if is_adapter_dir(self.checkpoint_dir) else None
         self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.pad_id: int = self.hf_config.get("pad_token_id") or 0
@@ -207,7 +209,7 @@ class Engine(ABC):
         if cfg.kl_coef > 0 and cfg.lora:  # the same weights with the adapter off: no copy
             self.reference = BaseModelView(self.policy, self.peft_model)
         elif cfg.kl_coef > 0:
-            self.reference = self.load_model(Path(reference_dir), train=False)
+            self.reference = self.load_model(base_dir, train=False)
         # the rate is a function of the version: optimizer_step sets it on every step
         self.optimizer = torch.optim.AdamW(
             self.trained_parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
@@ -277,7 +279,7 @@ class Engine(ABC):
         """This rank's samples cut into micro-batches: padded groups of `micro_batch_size`."""
         return padded_groups(mine, self.cfg.micro_batch)
 
-    def all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    def all_reduce(self, values: list[float], op: ReduceOp.RedOpType = ReduceOp.SUM) -> list[float]:
         """`values` combined over every rank (one rank: as they are)."""
         return [float(v) for v in values]
 
@@ -386,7 +388,7 @@ class DistributedEngine(Engine):
         """The dtype the forward runs in (the master weights stay float32)."""
         return DTYPES[self.parallel.param_dtype]
 
-    def all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    def all_reduce(self, values: list[float], op: ReduceOp.RedOpType = ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.dist.device)
         dist.all_reduce(t, op=op)
         return t.tolist()

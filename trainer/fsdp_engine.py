@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,8 @@ class FsdpEngine(DistributedEngine):
         renames; the barrier keeps other ranks from returning before that.
         """
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.policy, options=opts)  # empty on ranks > 0
+        # a full state dict holds tensors only; empty on ranks > 0
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(self.policy, options=opts))
         if self.rank == 0 and self.cfg.lora:
             # PolicyLogits' "lm." is the PeftModel's "base_model.model."
             state = {"base_model.model." + k.removeprefix("lm."): v for k, v in state.items()}

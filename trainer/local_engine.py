@@ -12,6 +12,7 @@ import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,5 +88,6 @@ class LocalEngine(Engine):
             return
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
+        lm: Any = self.model  # a Hugging Face PreTrainedModel
+        lm.save_pretrained(tmp)
         publish_checkpoint(tmp, out_dir, tokenizer_dir)

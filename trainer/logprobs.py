@@ -16,13 +16,19 @@ selects with the same mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
 from trainer.batch import Batch, Sample, collate
 from trainer.packing import pack, trainable_batch
+
+# What scores tokens: a `PolicyLogits` (sharded or not), or `trainer.lora.BaseModelView`,
+# called as (input_ids, attention_mask, position_ids, select) -> [N, V] logits
+Scorer = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -42,16 +48,24 @@ class PolicyLogits(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, select) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        select: torch.Tensor,
+    ) -> torch.Tensor:
         # use_cache=False: a KV cache is useless in training, and a checkpointed layer's
         # recompute would append to it a second time
-        hidden = self.lm.base_model(
+        lm: Any = self.lm  # a Hugging Face PreTrainedModel
+        hidden = lm.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden[:, :-1][select])
+        head = lm.get_output_embeddings()
+        return head(hidden[:, :-1][select])
 
 
 def logprobs_at(
@@ -81,8 +95,36 @@ def logprobs_at(
     return torch.cat([pad, out], dim=1), ent
 
 
+@overload
 def token_logprobs(
-    policy: nn.Module,
+    policy: Scorer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    with_entropy: Literal[False] = False,
+    keep_graph: bool = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    policy: Scorer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    with_entropy: Literal[True],
+    keep_graph: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def token_logprobs(
+    policy: Scorer,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None,
@@ -106,12 +148,12 @@ def token_logprobs(
         select[0, 0] = True
     rows = policy(input_ids, attention_mask, position_ids, select)
     logp, ent = logprobs_at(rows, input_ids, select, temperatures, with_entropy=with_entropy)
-    return (logp, ent) if with_entropy else logp
+    return (logp, ent) if ent is not None else logp
 
 
 def hf_forward(
-    policy: nn.Module,
-    reference: nn.Module | None,
+    policy: Scorer,
+    reference: Scorer | None,
     chunk: list[Sample],
     pad_id: int,
     device: torch.device,

@@ -40,9 +40,11 @@ def lora_config(cfg: RunConfig):
     """The `peft.LoraConfig` of a LoRA run's options."""
     from peft import LoraConfig
 
+    if cfg.lora_rank is None:
+        raise ValueError("lora_config needs lora_rank")
     return LoraConfig(
         r=cfg.lora_rank,
-        lora_alpha=cfg.resolved_lora_alpha(),
+        lora_alpha=cfg.resolved_lora_alpha(),  # type: ignore[arg-type]  # peft takes a float
         target_modules=cfg.resolved_lora_targets(),
         lora_dropout=cfg.lora_dropout,
         bias="none",

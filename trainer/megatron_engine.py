@@ -152,6 +152,8 @@ class MegatronEngine(DistributedEngine):
         ids, temps = batch.input_ids, batch.temperatures
         rows = self._logits(self.policy, batch)[:, :-1][select]
         logp, entropy = logprobs_at(rows, ids, select, temps, with_entropy=True)
+        if entropy is None:
+            raise RuntimeError("logprobs_at returned no entropy")
         ref = None
         if self.reference is not None:
             with torch.no_grad():
@@ -211,7 +213,7 @@ class MegatronEngine(DistributedEngine):
         """
         state, why = read_optimizer_file(state_dir, self.version, self.dist.device)
         (agreed,) = self.all_reduce([0.0 if state is None else 1.0], op=dist.ReduceOp.MIN)
-        if agreed:
+        if agreed and state is not None:
             self.optimizer.load_state_dict(state)
         elif self.rank == 0:
             logger.warning("fresh AdamW state for v%d: %s", self.version, why or "a rank lacks it")

@@ -132,7 +132,9 @@ def plan_segments(samples: Sequence[Sample], *, share_prefix: bool = True) -> li
             continue
         # the branch copies id shared-1; the segment that holds it (or an ancestor) is the parent
         while segments[best].start > shared - 1:
-            best = segments[best].parent
+            parent = segments[best].parent
+            assert parent is not None  # a segment that starts past 0 branches off a parent
+            best = parent
         segments.append(Segment(i, shared - 1, best))
     return segments
 
@@ -182,10 +184,14 @@ def pack(
     if not samples:
         raise ValueError("pack() needs at least one sample")
     segments = plan_segments(samples, share_prefix=share_prefix)
-    ids, pos, mask, temps, lens = [], [], [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    mask: list[int] = []
+    temps: list[float] = []
+    lens: list[int] = []
     padded = trainable_batch(collate(list(samples), pad_id))
     width = padded.input_ids.shape[1]
-    scatter = []
+    scatter: list[torch.Tensor] = []
     for seg in segments:
         s, a = samples[seg.sample], seg.start
         n = len(s.input_ids) - a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,7 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     if gradient_divide_factor is not None:
         for m in [*layers, model]:
-            m.set_gradient_divide_factor(gradient_divide_factor)
-            m.set_force_sum_reduction_for_comms(True)
+            sharded = cast(FSDPModule, m)  # fully_shard made it one, in place
+            sharded.set_gradient_divide_factor(gradient_divide_factor)
+            sharded.set_force_sum_reduction_for_comms(True)
     return model  # type: ignore[return-value]

@@ -220,12 +220,17 @@ class ResidentGroup:
 
     # --- the conversation with the leader
 
+    def _connected(self, what: str) -> socket.socket:
+        if self.sock is None:
+            raise self._failed(what, "the group has stopped")
+        return self.sock
+
     def _call(self, msg: proto.Message, timeout_s: float, what: str) -> proto.Done:
         if not self.alive():
             raise self._failed(what, "the group has stopped")
         self.last_used = time.monotonic()
         try:
-            proto.send(self.sock, msg)
+            proto.send(self._connected(what), msg)
         except OSError as exc:
             raise self._failed(what, exc) from exc
         reply = self._reply(timeout_s, what)
@@ -237,11 +242,12 @@ class ResidentGroup:
     def _reply(self, timeout_s: float, what: str) -> proto.Message:
         """The leader's next message, while torchrun lives and within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
+        sock = self._connected(what)
         while True:
-            ready, _, _ = select.select([self.sock], [], [], POLL_S)
+            ready, _, _ = select.select([sock], [], [], POLL_S)
             if ready:
                 try:
-                    return proto.recv(self.sock)
+                    return proto.recv(sock)
                 except (proto.ProtocolError, OSError) as exc:
                     raise self._failed(what, exc) from exc
             if self.proc.poll() is not None:

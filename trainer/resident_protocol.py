@@ -101,8 +101,7 @@ class Done:
 
 Message = Init | Ready | Step | SaveOptimizer | SaveWeights | Shutdown | Done
 MESSAGES: dict[str, type] = {
-    cls.op: cls  # type: ignore[attr-defined]
-    for cls in (Init, Ready, Step, SaveOptimizer, SaveWeights, Shutdown, Done)
+    cls.op: cls for cls in (Init, Ready, Step, SaveOptimizer, SaveWeights, Shutdown, Done)
 }
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainer import resident_protocol as proto
+from trainer.batch import Sample
 from trainer.config import ParallelConfig, RunConfig
 from trainer.engine import Engine
 from trainer.engines import engine_class, torchrun_engine
@@ -114,15 +115,18 @@ class Rank:
             else None
         )
 
-    def next_command(self) -> tuple[proto.Message, list | None]:
+    def next_command(self) -> tuple[proto.Message, list[Sample] | None]:
         """The leader's next command (and a Step's samples), the same on every rank."""
-        payload: list = [None]
+        payload: list[tuple[proto.Message, list[Sample] | None] | None] = [None]
         if self.sock is not None:
             msg = proto.recv(self.sock)
-            samples = read_samples(msg.samples) if isinstance(msg, proto.Step) else None
+            samples = read_samples(Path(msg.samples)) if isinstance(msg, proto.Step) else None
             payload = [(msg, samples)]
         dist.broadcast_object_list(payload, src=self.leader_rank, group=self.commands)
-        return payload[0]
+        command = payload[0]
+        if command is None:
+            raise proto.ProtocolError("the leader broadcast no command")
+        return command
 
     def reply(self, msg: proto.Message) -> None:
         if self.sock is not None:
@@ -141,7 +145,7 @@ class Rank:
             if isinstance(msg, proto.Step):
                 if msg.version != engine.version:
                     raise RuntimeError(f"step from v{msg.version} sent at v{engine.version}")
-                metrics = engine.step(samples)
+                metrics = engine.step(samples or [])  # a Step always carries its samples
                 if msg.optimizer_out is not None:
                     engine.save_optimizer(Path(msg.optimizer_out))
                 if msg.save:
@@ -175,7 +179,7 @@ def main() -> int:
     leader = bool(path) and os.environ.get("LOCAL_RANK") == "0"
     store = launcher_store(COMMAND_TIMEOUT)
     sock = None
-    if leader:
+    if leader and path:
         sock = connect_worker(path)
         init = proto.recv(sock)
         if not isinstance(init, proto.Init):
@@ -184,6 +188,8 @@ def main() -> int:
         store.set(INIT_KEY, json.dumps(published))
     published = json.loads(store.get(INIT_KEY))
     init = proto.decode(published["init"])
+    if not isinstance(init, proto.Init):
+        raise proto.ProtocolError(f"expected init, got {init!r}")
     engine = build_engine(init)
     try:
         # The secret comes from the worker's environment (torchrun passes it on), never

@@ -93,4 +93,4 @@ def episode_return(
     returns = completion_returns(nodes, episode_reward, policy, gamma)
     ids = {n.id for n in nodes}
     roots = [n.id for n in nodes if n.parent_id not in ids]
-    return statistics.fmean(returns[r] for r in roots)
+    return statistics.fmean(returns[r] or 0.0 for r in roots)  # discounted: never None

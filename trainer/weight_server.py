@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -106,10 +106,11 @@ def distributed_hf_state(engine: Any) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(engine.policy, options=opts)  # empty off rank 0
+    # a full state dict holds tensors only; empty off rank 0
+    full = cast(dict[str, torch.Tensor], get_model_state_dict(engine.policy, options=opts))
     if dist.get_rank() != 0:
         return None
-    state = {k.removeprefix("lm."): v for k, v in state.items()}
+    state = {k.removeprefix("lm."): v for k, v in full.items()}
     if getattr(engine.policy.lm.config, "tie_word_embeddings", False):
         state.pop(TIED[0], None)
     return {k: v.detach() for k, v in state.items()}  # gathered CPU copies already
