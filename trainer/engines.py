@@ -1,11 +1,10 @@
 """The engine registry: which class runs each `RunConfig.engine`, and where it runs.
 
-The one place that maps the `engine` setting to code. `trainer.tasks`
-asks `engine_entry(cfg.engine).torchrun` to choose between a warm engine
-inside the worker and a `torchrun` subprocess (`trainer.torchrun`); both the
-worker and the torchrun ranks (`trainer.fsdp_worker`, which runs
-`torchrun_engine(cfg.engine)`) get the class from `engine_class`, and build
-it with `Engine`'s one constructor. Classes are imported only then:
+The one place that maps the `engine` setting to code. `EngineEntry.torchrun`
+picks the run's step runner (`trainer.step_runner`): a warm engine inside the
+worker, or resident torchrun ranks (`trainer.resident_rank`, which builds
+`torchrun_engine(cfg.engine)`). Both get the class from `engine_class` and
+build it with `Engine`'s one constructor. Classes are imported only then:
 megatron-core is an optional GPU-only extra.
 """
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineEntry:
     target: str  # "module:Class"
-    torchrun: bool  # True: runs on torchrun ranks in a subprocess, not inside the worker
+    torchrun: bool  # True: runs on resident torchrun ranks, not inside the worker
 
 
 ENGINES: dict[str, EngineEntry] = {

@@ -1,7 +1,7 @@
 """Megatron-core training engine (GPU only): the shared PPO step on a Megatron GPT model.
 
-Selected with `engine: "megatron"` in the run config and launched like the
-FSDP engine (`torchrun` ranks running `trainer.fsdp_worker`). megatron-core
+Selected with `engine: "megatron"` in the run config and run like the FSDP
+engine, on resident torchrun ranks (`trainer.resident_rank`). megatron-core
 is an optional extra (`pip install 'rlgate[megatron]'`) and cannot run a
 forward pass without CUDA, so everything that touches it is imported inside
 the engine; `megatron_unavailable` says, without importing it, why the

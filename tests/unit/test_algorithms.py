@@ -152,7 +152,7 @@ def test_optimizer_state_resumes_for_the_right_version(tiny_model_dir, tmp_path)
 def test_local_engine_resumed_after_a_restart_equals_one_kept_in_memory(
     tiny_model_dir, tmp_path
 ) -> None:
-    """What a restarted worker does (Trainer.engine_for): weights from v1, AdamW from disk."""
+    """What a restarted worker does (`InProcessRunner.engine_for`): v1 weights, AdamW from disk."""
     from trainer.batch import Sample
     from trainer.local_engine import LocalEngine
 
