@@ -99,7 +99,7 @@ def run_trl(cfg: LearnConfig, model_dir: Path, out: Path) -> dict[str, Any]:
         "cache_dir": str(cfg.cache_dir),
         "model_dir": str(model_dir),
         "out_dir": str(out),
-        "task_module": str(Path(__file__).with_name("learn_task.py")),
+        "task_module": str(Path(__file__).parents[1] / "learn_task.py"),
     }
     (out / "spec.json").write_text(json.dumps(spec, indent=2))
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -177,7 +177,7 @@ def _rlgate_curve(side: dict[str, Any], per_step: int) -> list[tuple[int, float,
 
 def one_seed(cfg: LearnConfig, model_dir: Path, base_reward: float, out: Path) -> dict[str, Any]:
     from core.settings import Settings
-    from rlgate.bench.learn_rlgate import run_rlgate, trained_figures
+    from rlgate.bench.learn_stack import run_rlgate, trained_figures
 
     print(f"seed {cfg.seed}: TRL GRPOTrainer ...", flush=True)
     trl = _trl_figures(run_trl(cfg, model_dir, out / "trl"), cfg.completions_per_step)

@@ -89,7 +89,7 @@ def test_the_trl_script_loads_the_task_by_path_and_scores_the_same():
 
 def test_the_rlgate_run_overrides_only_the_shared_hyperparameters():
     from rlgate.bench.learn import LearnConfig
-    from rlgate.bench.learn_rlgate import run_config
+    from rlgate.bench.learn_stack import run_config
     from trainer.config import RunConfig
 
     cfg = LearnConfig(learning_rate=3e-5, clip=0.25, seed=7)
@@ -117,7 +117,7 @@ def test_the_budget_is_whole_steps(budget):
 
 
 def test_trained_fraction_counts_only_groups_with_reward_variance():
-    from rlgate.bench.learn_rlgate import Sample, trained_figures
+    from rlgate.bench.learn_stack import Sample, trained_figures
 
     samples = [
         Sample(float(i), r, g, f"{g}-{i}")
