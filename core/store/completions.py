@@ -21,6 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.schema import ScalarElementColumnDefault
 
 from core.store.models import Completion
 
@@ -28,7 +29,7 @@ _COLUMNS = tuple(c.key for c in Completion.__table__.columns)
 _DEFAULTS = {
     c.key: c.default.arg
     for c in Completion.__table__.columns
-    if c.default is not None and c.default.is_scalar
+    if isinstance(c.default, ScalarElementColumnDefault)
 }
 
 
@@ -117,7 +118,12 @@ def ancestors_stmt() -> Select:
 
 def best_candidate(found: list[Completion], hashes: dict[str, int]) -> Completion | None:
     """Of `found`, the newest of those with the highest rank (`hashes`: hash -> rank)."""
-    return max(found, key=lambda c: (hashes[c.conv_hash], c.created_at), default=None)
+
+    def rank(c: Completion) -> tuple[int, datetime]:
+        assert c.conv_hash is not None  # each one was found by its hash
+        return hashes[c.conv_hash], c.created_at
+
+    return max(found, key=rank, default=None)
 
 
 def by_rank(hashes: dict[str, int]) -> list[str]:

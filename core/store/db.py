@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 from sqlalchemy import create_engine, event, exc
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import CursorResult, Engine, Result, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 # A pooled connection used this recently is handed out without a ping (HikariCP's
 # `aliveBypassWindowMs` is the same idea at 0.5 s).
 PING_AFTER_IDLE_S = 1.0
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE matched (its result is a `CursorResult`; `execute` is typed
+    to return any `Result`)."""
+    return cast("CursorResult[Any]", result).rowcount
 
 
 def normalize_url(url: str, *, asynchronous: bool) -> str:

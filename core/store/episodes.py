@@ -203,10 +203,11 @@ async def episode_page(
                 and_(Episode.created_at == created, Episode.id > last_id),
             )
         stmt = stmt.where(beyond)
-    order = (Episode.created_at, Episode.id)
     if newest_first:
-        order = tuple(c.desc() for c in order)
-    return list((await session.execute(stmt.order_by(*order).limit(limit))).scalars())
+        stmt = stmt.order_by(Episode.created_at.desc(), Episode.id.desc())
+    else:
+        stmt = stmt.order_by(Episode.created_at, Episode.id)
+    return list((await session.execute(stmt.limit(limit))).scalars())
 
 
 def _has_completion(condition) -> Any:
@@ -267,7 +268,8 @@ async def episode_reward_posts(
         )
         .order_by(Reward.id)
     )
-    return {ep: float(v) for ep, v in (await session.execute(stmt)).all()}  # newest wins
+    rows = (await session.execute(stmt)).all()
+    return {ep: float(v) for ep, v in rows if ep is not None}  # newest wins
 
 
 async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
@@ -278,8 +280,9 @@ async def refresh_episode_status(session: AsyncSession, ep: Episode) -> None:
         Completion.run_id == ep.run_id, Completion.episode_id == ep.id
     )
     rewards = (await session.execute(stmt)).scalars().all()
-    if ep.reward is None and rewards and all(r is not None for r in rewards):
-        ep.reward = float(sum(rewards))
+    given = [r for r in rewards if r is not None]
+    if ep.reward is None and rewards and len(given) == len(rewards):
+        ep.reward = float(sum(given))
     if ep.reward is not None:
         ep.status = EpisodeStatus.REWARDED
         ep.rewarded_at = datetime.now(UTC)

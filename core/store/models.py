@@ -6,7 +6,7 @@ The Responses API's own table is declared in `core.store.responses`, on the same
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -18,6 +18,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -37,6 +38,10 @@ def as_utc(value: datetime) -> datetime:
 
 
 class Base(DeclarativeBase):
+    # Every model here is mapped to one Table (declarative types it as any FromClause), and
+    # the capture and scan paths hand it to Core's insert/update as one.
+    __table__: ClassVar[Table]
+
     type_annotation_map = {dict[str, Any]: JSON}
 
 

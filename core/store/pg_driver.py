@@ -16,14 +16,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 Processor = Callable[[Any], Any] | None
 Statement = tuple[str, dict]  # SQL with named parameters, and its constant parameters
@@ -37,7 +38,7 @@ def dialect() -> postgresql.psycopg.dialect:
 def compiled(stmt: ClauseElement, keys: tuple[str, ...] | None = None) -> Statement:
     """`stmt` as psycopg runs it (named `%(key)s` parameters), with its constant parameters
     (those the statement fixes itself; the caller gives the others)."""
-    c = stmt.compile(dialect=dialect(), column_keys=keys)
+    c = cast(SQLCompiler, stmt.compile(dialect=dialect(), column_keys=keys))
     return str(c), {k: v for k, v in c.params.items() if not c.binds[k].required}
 
 
@@ -72,7 +73,7 @@ def row_values(row: Sequence[Any], columns: tuple[tuple[str, Processor], ...]) -
     }
 
 
-def as_sqlalchemy(err: psycopg.Error, invalidated: bool = False) -> DBAPIError:
+def as_sqlalchemy(err: psycopg.Error, invalidated: bool = False) -> StatementError:
     """psycopg's error as SQLAlchemy raises it (OperationalError, IntegrityError, ...)."""
     return DBAPIError.instance(None, None, err, psycopg.Error, connection_invalidated=invalidated)
 
@@ -96,6 +97,7 @@ async def driver_connection(engine: AsyncEngine) -> AsyncIterator[psycopg.AsyncC
     """
     async with engine.connect() as conn:
         raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None  # a checked-out, valid connection has its driver's
         if not raw.autocommit:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from core.store.db import rowcount
 from core.store.models import RunReplica
 
 
@@ -17,4 +18,4 @@ async def replica_urls(session: AsyncSession, run_id: str) -> list[str]:
 async def remove_replica(session: AsyncSession, run_id: str, url: str) -> bool:
     """Unregister a server; False if it was not registered."""
     stmt = delete(RunReplica).where(RunReplica.run_id == run_id, RunReplica.url == url)
-    return (await session.execute(stmt)).rowcount == 1
+    return rowcount(await session.execute(stmt)) == 1

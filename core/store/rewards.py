@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from core.store.models import Episode, Reward
-
-
-async def has_episode_reward(session: AsyncSession, ep: Episode) -> bool:
-    """Whether an episode-level reward (not a per-turn one) was posted for `ep`."""
-    stmt = select(func.count()).where(
-        Reward.run_id == ep.run_id, Reward.episode_id == ep.id, Reward.completion_id.is_(None)
-    )
-    return (await session.execute(stmt)).scalar_one() > 0
+from core.store.models import Reward
 
 
 def latest_episode_reward_sync(session: Session, run_id: str, episode_id: str) -> float | None:

@@ -6,6 +6,7 @@ from sqlalchemy import Table, delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from core.store.db import rowcount
 from core.store.models import Base, Episode, PolicyVersion, Run
 from core.store.status import EpisodeStatus
 
@@ -46,7 +47,7 @@ async def lock_run_for_claim(session: AsyncSession, run_id: str) -> Run | None:
       half of them. Not `FOR UPDATE`: that also blocks the `FOR KEY SHARE`
       lock every insert of an episode or completion takes on its run (the
       foreign key), so every captured completion waited for the claim's
-      whole scan (issue #25: the streaming p99).
+      whole scan, and streaming calls' p99 latency grew with it.
     - SQLite: `BEGIN IMMEDIATE` takes the database's write lock before the
       first read (the driver would otherwise start the transaction only at
       the first write, leaving the reads unsnapshotted); the trainer's write
@@ -93,12 +94,12 @@ def _advance(run_id: str, version: int):
 
 async def advance_version(session: AsyncSession, run_id: str, version: int) -> bool:
     """Move the run from `version` to `version + 1`; False if it is no longer at `version`."""
-    return (await session.execute(_advance(run_id, version))).rowcount == 1
+    return rowcount(await session.execute(_advance(run_id, version))) == 1
 
 
 def advance_version_sync(session: Session, run_id: str, version: int) -> bool:
     """`advance_version` for the trainer's sync session."""
-    return session.execute(_advance(run_id, version)).rowcount == 1
+    return rowcount(session.execute(_advance(run_id, version))) == 1
 
 
 async def checkpoint_of(session: AsyncSession, run_id: str, version: int) -> str | None:
