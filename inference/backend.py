@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from inference.types import GenerateRequest, GenerateResult
+
+if TYPE_CHECKING:
+    from inference.swap import WeightsSource
 
 
 class BackendError(Exception):
@@ -35,7 +38,8 @@ class TokenStream(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Token ids in, token ids and logprobs out; weights swappable in place.
+    """Token ids in, token ids and logprobs out; weights swappable in place (it is an
+    `inference.swap.SwapTarget`: `version` and `load_weights`, the swap's ordering contract).
 
     Implementations (each kind is registered in `inference.registry`):
 
@@ -62,7 +66,7 @@ class Backend(Protocol):
         """Start sampling; tokens arrive through the returned stream as they are sampled."""
         ...
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
         """Load a checkpoint in place and serve it as `version` from the next request on.
 
         Requests already generating finish on the weights they started with.
@@ -75,6 +79,15 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Release threads, connections and memory."""
+        ...
+
+
+class InProcessBackend(Backend, Protocol):
+    """A backend that runs the model in the gateway's process (kind "local")."""
+
+    @property
+    def max_context(self) -> int:
+        """The model's context window in tokens."""
         ...
 
 

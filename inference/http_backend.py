@@ -38,7 +38,7 @@ from inference.http_common import (
     transport_errors,
 )
 from inference.types import FinishReason, GenerateRequest, GenerateResult
-from inference.weight_sync import CollectiveSource, saved
+from inference.weight_source import CollectiveSource, saved
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +352,10 @@ class HttpBackend(abc.ABC):
             finally:
                 lane.gate.set()  # its waiters find the adapter gone and fail
         logger.info("%s at %s no longer serves adapter %r", self.name, self.url, name)
+
+    async def served_context(self) -> int | None:
+        """The server's own context limit, if its API reports one (None: the model's)."""
+        return None
 
     async def health(self) -> bool:
         try:

@@ -36,7 +36,8 @@ from inference.backend import BackendError, BackendOverloaded
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.sampling import sample_row
 from inference.stop_strings import TextStop
-from inference.types import GenerateRequest, GenerateResult, SamplingParams
+from inference.swap import WeightsSource, weights_dir
+from inference.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class LocalBackend:
         self.batch_wait_s = batch_wait_s
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.to(self.device).eval()
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub
         self.pad_id = self.model.config.pad_token_id or 0
         self._version = version
         self._adapters = AdapterBank(self.model)
@@ -157,8 +158,10 @@ class LocalBackend:
             raise BackendError("empty prompt")
         return LocalStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
-        await asyncio.wrap_future(self._submit(_Swap(Path(checkpoint_dir), version, Future())))
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
+        """Swapped between two batches: a batch never mixes versions (`_Swap`)."""
+        swap = _Swap(weights_dir(checkpoint_dir), version, Future())
+        await asyncio.wrap_future(self._submit(swap))
 
     def adapter_version(self, name: str) -> int | None:
         return self._adapters.version(name)
@@ -304,7 +307,7 @@ class LocalBackend:
         stops = [self._stop_check(r.params) for r in requests]
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lps: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * len(requests)
+        finish: list[FinishReason | None] = [None] * len(requests)
         max_new = max(r.params.max_tokens for r in requests)
         cache = None
         step_ids, step_pos = ids, positions
@@ -329,9 +332,10 @@ class LocalBackend:
                 token, lp = sample_row(logits[row], r.params, generators[row])
                 out_ids[row].append(token)
                 out_lps[row].append(lp)
-                if jobs[row].on_token is not None:
-                    jobs[row].on_token(token, lp)
-                hit = stops[row] is not None and stops[row].push(token)
+                on_token, stop = jobs[row].on_token, stops[row]
+                if on_token is not None:
+                    on_token(token, lp)
+                hit = stop is not None and stop.push(token)
                 if token in r.params.stop_token_ids or hit:
                     finish[row] = "stop"
                 elif len(out_ids[row]) >= r.params.max_tokens:

@@ -86,7 +86,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
         data = torch.empty(os.fstat(f.fileno()).st_size - 8 - size, dtype=torch.uint8)
-        if data.numel() and f.readinto(memoryview(data.numpy())) != data.numel():
+        if data.numel() and f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]
             raise AdapterError(f"{path}: the file is shorter than its header says")
     # one copy of every tensor's bytes, so the file may be pruned later
     header.pop("__metadata__", None)

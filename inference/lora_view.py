@@ -12,10 +12,10 @@ loaded and its requests sample the base model, which is what version 0 is.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from inference.backend import AdapterBackend, BackendError, TokenStream
 from inference.lora import ADAPTER_CONFIG
+from inference.swap import WeightsSource, weights_dir
 from inference.types import GenerateRequest, GenerateResult
 
 
@@ -35,10 +35,6 @@ class AdapterView:
         return 0 if loaded is None else loaded
 
     @property
-    def max_context(self) -> int:
-        return self.backend.max_context
-
-    @property
     def torch_threads(self) -> int | None:
         return getattr(self.backend, "torch_threads", None)
 
@@ -52,11 +48,12 @@ class AdapterView:
     def start_stream(self, request: GenerateRequest) -> TokenStream:
         return self.backend.start_stream(self._route(request))
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
         """Load version `version` of this run: its adapter, replacing the one served."""
-        if not (Path(checkpoint_dir) / ADAPTER_CONFIG).is_file():
+        adapter_dir = weights_dir(checkpoint_dir)
+        if not (adapter_dir / ADAPTER_CONFIG).is_file():
             raise BackendError(f"{checkpoint_dir} is not a LoRA adapter of run {self.name}")
-        await self.backend.load_adapter(self.name, Path(checkpoint_dir), version)
+        await self.backend.load_adapter(self.name, adapter_dir, version)
 
     async def health(self) -> bool:
         return await self.backend.health()

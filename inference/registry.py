@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inference.backend import Backend
-    from inference.http_common import ServerCredentials
+    from core.config import ServerCredentials
+    from inference.backend import InProcessBackend
     from inference.launch import ServerConfig
+    from inference.swap import ServerClient
 
 Ref = str | Callable[..., Any]  # "package.module:attr.attr", or the callable itself
 
@@ -85,14 +86,14 @@ class BackendKind:
 
     def connect_to(
         self, url: str, version: int = 0, credentials: ServerCredentials | None = None
-    ) -> Backend:
+    ) -> ServerClient:
         """The backend of the server at `url` (its weights assumed to be `version`), which
         presents `credentials` to it and to the trainer's weight server."""
         if self.connect is None:
             raise ValueError(f"backend {self.name!r} runs in-process, not behind a URL")
         return resolve(self.connect)(url, version, credentials)
 
-    def load_local(self, source: Path, version: int, **kwargs: Any) -> Backend:
+    def load_local(self, source: Path, version: int, **kwargs: Any) -> InProcessBackend:
         """An in-process backend serving the weights in `source` as `version`."""
         if self.load is None:
             raise ValueError(f"backend {self.name!r} is remote: it needs a server URL")

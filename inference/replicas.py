@@ -51,24 +51,27 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from core.config import ReplicaConfig
 from inference.backend import AdapterBackend, Backend, BackendError, BackendOverloaded, TokenStream
+from inference.swap import ServerClient, WeightsSource
 from inference.types import GenerateRequest, GenerateResult
 
 logger = logging.getLogger(__name__)
 
+B = TypeVar("B", bound=Backend)  # the replicas' backend kind
+
 
 @dataclass
-class Replica:
+class Replica(Generic[B]):
     """One server of the set and what the router knows about it."""
 
     name: str
-    backend: Backend
+    backend: B
     url: str | None = None
     healthy: bool = True
     loading: bool = False  # out of routing while a rolling swap reloads it
@@ -109,27 +112,32 @@ class ReplicaStatus:
     last_error: str | None
 
 
-class ReplicaSet:
-    """A `Backend` over named replica `Backend`s (see the module docstring for the rules)."""
+class ReplicaSet(Generic[B]):
+    """A `Backend` over named replica `Backend`s (see the module docstring for the rules).
+
+    A set of `ServerClient`s (HTTP servers other gateway processes may share) also
+    offers the swap's steps apart (`quiesced`, `reload_quiesced`, `set_versions`), for
+    the barrier that agrees one reload with those processes.
+    """
 
     def __init__(
         self,
-        replicas: Sequence[tuple[str, Backend] | tuple[str, Backend, str | None]],
+        replicas: Sequence[tuple[str, B] | tuple[str, B, str | None]],
         config: ReplicaConfig | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("a ReplicaSet needs at least one replica")
         self.config = config or ReplicaConfig()
-        self._replicas: list[Replica] = []
+        self._replicas: list[Replica[B]] = []
         for entry in replicas:
-            name, backend, url = (*entry, None)[:3]
-            self._add(Replica(name, backend, url))
+            url = entry[2] if len(entry) == 3 else None
+            self._add(Replica(entry[0], entry[1], url))
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._picks = 0
-        self._target: tuple[Any, int] | None = None  # newest weights loaded into the set
+        self._target: tuple[WeightsSource, int] | None = None  # newest weights loaded
         self._adapter_targets: dict[str, tuple[Path, int]] = {}  # adapters loaded into the set
         self._adapter_locks: dict[str, asyncio.Lock] = {}
-        self._swap_lock: asyncio.Lock | None = None
+        self._swap_lock_: asyncio.Lock | None = None
         self._monitor: asyncio.Task | None = None
         self._closed = False
 
@@ -161,13 +169,13 @@ class ReplicaSet:
         assert last is not None
         raise last
 
-    def start_stream(self, request: GenerateRequest) -> ReplicaStream:
+    def start_stream(self, request: GenerateRequest) -> ReplicaStream[B]:
         self.start()
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
         return ReplicaStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
         """Rolling reload, one replica at a time (see the module docstring).
 
         Replicas that are out of routing are skipped: they get these weights
@@ -176,73 +184,49 @@ class ReplicaSet:
         out if it no longer answers), and its results say which version they are.
         It tries that version again only after `load_retry_s`.
         """
-        if self._swap_lock is None:
-            self._swap_lock = asyncio.Lock()
-        async with self._swap_lock:
-            self._target = (checkpoint_dir, version)  # a Path or a CollectiveSource
-            failed: list[str] = []
-            for replica in list(self._replicas):
-                if not replica.healthy or replica.backend.version >= version:
-                    continue
-                if self._backing_off(replica, version):
-                    failed.append(replica.name)
-                    continue
-                async with replica.lock:
-                    if not await self._reload(replica, checkpoint_dir, version):
-                        failed.append(replica.name)
-            if failed:
-                raise BackendError(f"replicas {failed} could not load version {version}")
+        async with self._swap_lock():
+
+            async def reload(replica: Replica[B]) -> None:
+                await self._reload_routed(replica, checkpoint_dir, version)
+
+            await self._roll(checkpoint_dir, version, reload)
 
     # --- a swap agreed with other clients of the same servers ---------------------
 
     @contextlib.asynccontextmanager
-    async def quiesced(self, what: str) -> AsyncIterator[None]:
+    async def quiesced(self: ReplicaSet[ServerClient], what: str) -> AsyncIterator[None]:
         """Every replica's client with its gate closed and none of its requests in flight
         (`HttpBackend.quiesced`), until the block exits; no rolling swap meanwhile.
 
         All gates close first, then each replica drains, so requests stop at the gates
         instead of moving to a replica that is still open.
         """
-        if self._swap_lock is None:
-            self._swap_lock = asyncio.Lock()
-        async with self._swap_lock, contextlib.AsyncExitStack() as stack:
+        async with self._swap_lock(), contextlib.AsyncExitStack() as stack:
             for replica in list(self._replicas):
-                await stack.enter_async_context(_quiesced(replica.backend, what))
+                await stack.enter_async_context(replica.backend.quiesced(what))
             yield
 
-    async def reload_quiesced(self, source: Any, version: int) -> None:
+    async def reload_quiesced(
+        self: ReplicaSet[ServerClient], source: WeightsSource, version: int
+    ) -> None:
         """Load `version` into every healthy replica behind, one after another; the caller
         holds `quiesced`. Failures as in `load_weights` (the replica keeps its weights)."""
-        self._target = (source, version)
-        failed: list[str] = []
-        for replica in list(self._replicas):
-            if not replica.healthy or replica.backend.version >= version:
-                continue
-            if self._backing_off(replica, version):
-                failed.append(replica.name)
-                continue
-            try:
-                await _reload_quiesced(replica.backend, source, version)
-                replica.failed_load = None
-            except Exception as exc:
-                failed.append(replica.name)
-                replica.last_error = f"load v{version}: {exc}"
-                retry_at = asyncio.get_running_loop().time() + self.config.load_retry_s
-                replica.failed_load = (version, retry_at)
-                logger.warning(
-                    "replica %s failed to load version %d: %s", replica.name, version, exc
-                )
-                if not await self._probe(replica):
-                    self._take_out(replica, replica.last_error)
-        if failed:
-            raise BackendError(f"replicas {failed} could not load version {version}")
 
-    def set_versions(self, versions: dict[str, int], target: tuple[Any, int] | None) -> None:
+        async def reload(replica: Replica[ServerClient]) -> None:
+            await replica.backend.reload_quiesced(source, version)
+
+        await self._roll(source, version, reload)
+
+    def set_versions(
+        self: ReplicaSet[ServerClient],
+        versions: dict[str, int],
+        target: tuple[WeightsSource, int] | None,
+    ) -> None:
         """Adopt the versions another client had the replicas load (by replica name), without
         reloading; the caller holds `quiesced`. `target`: the weights a returning replica gets."""
         for replica in self._replicas:
             if replica.name in versions:
-                _set_version(replica.backend, versions[replica.name])
+                replica.backend.set_version(versions[replica.name])
         if target is not None:
             self._target = target
 
@@ -330,7 +314,7 @@ class ReplicaSet:
                 self._watch(), name="replica-health"
             )
 
-    async def add_replica(self, name: str, backend: Backend, url: str | None = None) -> None:
+    async def add_replica(self, name: str, backend: B, url: str | None = None) -> None:
         """Add a replica; it routes once it answers health and has the set's newest weights.
 
         One that does not answer yet joins when a later health check finds it up.
@@ -368,12 +352,12 @@ class ReplicaSet:
             for r in self._replicas
         ]
 
-    def _add(self, replica: Replica) -> None:
+    def _add(self, replica: Replica[B]) -> None:
         if any(r.name == replica.name for r in self._replicas):
             raise ValueError(f"replica {replica.name!r} already exists")
         self._replicas.append(replica)
 
-    def _get(self, name: str) -> Replica:
+    def _get(self, name: str) -> Replica[B]:
         for r in self._replicas:
             if r.name == name:
                 return r
@@ -387,7 +371,7 @@ class ReplicaSet:
         exclude: set[str],
         last: BackendError | None = None,
         adapter: str | None = None,
-    ) -> Replica:
+    ) -> Replica[B]:
         candidates = [r for r in self._replicas if r.routable and r.name not in exclude]
         if adapter is not None:
             serving = [r for r in candidates if r.adapter_version(adapter) is not None]
@@ -419,7 +403,7 @@ class ReplicaSet:
 
     # --- health and failure --------------------------------------------------------
 
-    async def _probe(self, replica: Replica) -> bool:
+    async def _probe(self, replica: Replica[B]) -> bool:
         try:
             return bool(
                 await asyncio.wait_for(replica.backend.health(), self.config.health_timeout_s)
@@ -428,7 +412,7 @@ class ReplicaSet:
             replica.last_error = f"health: {exc!r}"
             return False
 
-    async def _on_failure(self, replica: Replica, exc: BackendError) -> None:
+    async def _on_failure(self, replica: Replica[B], exc: BackendError) -> None:
         """A request failed on `replica`: take it out if it no longer answers health checks."""
         replica.last_error = str(exc) or repr(exc)
         if isinstance(exc, BackendOverloaded):
@@ -436,13 +420,13 @@ class ReplicaSet:
         if replica.healthy and not await self._probe(replica):
             self._take_out(replica, f"request failed: {exc}")
 
-    async def _on_adapter_failure(self, replica: Replica, what: str, exc: Exception) -> None:
+    async def _on_adapter_failure(self, replica: Replica[B], what: str, exc: Exception) -> None:
         replica.last_error = f"{what}: {exc}"
         logger.warning("replica %s failed to %s: %s", replica.name, what, exc)
         if not await self._probe(replica):
             self._take_out(replica, replica.last_error)
 
-    def _take_out(self, replica: Replica, why: str) -> None:
+    def _take_out(self, replica: Replica[B], why: str) -> None:
         if replica.healthy:
             replica.healthy = False
             logger.warning("replica %s taken out of routing: %s", replica.name, why)
@@ -457,7 +441,7 @@ class ReplicaSet:
                 logger.exception("replica health pass failed")
             await asyncio.sleep(self.config.health_interval_s)
 
-    async def _check(self, replica: Replica) -> None:
+    async def _check(self, replica: Replica[B]) -> None:
         if replica.loading or replica.lock.locked():
             return  # a reload in progress owns this replica
         ok = await self._probe(replica)
@@ -467,7 +451,7 @@ class ReplicaSet:
             async with replica.lock:
                 await self._readmit(replica)
 
-    async def _readmit(self, replica: Replica) -> None:
+    async def _readmit(self, replica: Replica[B]) -> None:
         """Bring a replica that answers again up to the set's weights, then route to it."""
         if self._target is not None:
             ckpt, version = self._target
@@ -493,7 +477,7 @@ class ReplicaSet:
 
     # --- rolling swap --------------------------------------------------------------
 
-    async def _drain(self, replica: Replica) -> None:
+    async def _drain(self, replica: Replica[B]) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
         while replica.outstanding > 0 and loop.time() < deadline:
@@ -506,7 +490,7 @@ class ReplicaSet:
                 self.config.drain_timeout_s,
             )
 
-    def _backing_off(self, replica: Replica, version: int) -> bool:
+    def _backing_off(self, replica: Replica[B], version: int) -> bool:
         failed = replica.failed_load
         return (
             failed is not None
@@ -514,53 +498,73 @@ class ReplicaSet:
             and asyncio.get_running_loop().time() < failed[1]
         )
 
-    async def _reload(self, replica: Replica, checkpoint_dir: Path, version: int) -> bool:
-        others = any(r.routable for r in self._replicas if r is not replica)
-        replica.loading = others  # the last routable replica reloads in place
+    def _swap_lock(self) -> asyncio.Lock:
+        """One swap of the set at a time (made on first use, inside the running loop)."""
+        if self._swap_lock_ is None:
+            self._swap_lock_ = asyncio.Lock()
+        return self._swap_lock_
+
+    async def _roll(
+        self,
+        source: WeightsSource,
+        version: int,
+        reload: Callable[[Replica[B]], Awaitable[None]],
+    ) -> None:
+        """`reload` each healthy replica behind `version`, one after another; raise after
+        the roll if any failed (a replica backing off from this version counts as failed)."""
+        self._target = (source, version)
+        failed: list[str] = []
+        for replica in list(self._replicas):
+            if not replica.healthy or replica.backend.version >= version:
+                continue
+            if self._backing_off(replica, version) or not await self._load_one(
+                replica, version, reload
+            ):
+                failed.append(replica.name)
+        if failed:
+            raise BackendError(f"replicas {failed} could not load version {version}")
+
+    async def _load_one(
+        self, replica: Replica[B], version: int, reload: Callable[[Replica[B]], Awaitable[None]]
+    ) -> bool:
         try:
-            if others:
-                await self._drain(replica)
-            await replica.backend.load_weights(checkpoint_dir, version)
-            logger.info("replica %s now serves version %d", replica.name, version)
-            replica.failed_load = None
-            return True
+            await reload(replica)
         except Exception as exc:
             replica.last_error = f"load v{version}: {exc}"
-            # Retrying at once would drain this replica on every weight-sync pass.
+            # Retrying at once would drain this replica on every swap pass.
             retry_at = asyncio.get_running_loop().time() + self.config.load_retry_s
             replica.failed_load = (version, retry_at)
             logger.warning("replica %s failed to load version %d: %s", replica.name, version, exc)
             if not await self._probe(replica):
                 self._take_out(replica, replica.last_error)
             return False
-        finally:
-            replica.loading = False
+        replica.failed_load = None
+        return True
+
+    async def _reload_routed(
+        self, replica: Replica[B], source: WeightsSource, version: int
+    ) -> None:
+        """Out of routing, drained, reloaded, back in; the last routable one reloads in place."""
+        async with replica.lock:
+            others = any(r.routable for r in self._replicas if r is not replica)
+            replica.loading = others
+            try:
+                if others:
+                    await self._drain(replica)
+                await replica.backend.load_weights(source, version)
+                logger.info("replica %s now serves version %d", replica.name, version)
+            finally:
+                replica.loading = False
 
 
-def _quiesced(backend: Backend, what: str) -> contextlib.AbstractAsyncContextManager[None]:
-    """`backend`'s `quiesced` (an `HttpBackend`'s); refused for one without it."""
-    quiesced = getattr(backend, "quiesced", None)
-    if quiesced is None:
-        raise BackendError(f"{backend!r} cannot hold a swap agreed with other clients")
-    return quiesced(what)
-
-
-async def _reload_quiesced(backend: Backend, source: Any, version: int) -> None:
-    await backend.reload_quiesced(source, version)  # type: ignore[attr-defined]
-
-
-def _set_version(backend: Backend, version: int) -> None:
-    backend.set_version(version)  # type: ignore[attr-defined]
-
-
-class ReplicaStream:
+class ReplicaStream(Generic[B]):
     """A streaming generation that moves to another replica if its first one fails early.
 
     "Early" means before any token reached the consumer; after that, a failure
     ends the stream with the error (see the module docstring).
     """
 
-    def __init__(self, replicas: ReplicaSet, request: GenerateRequest) -> None:
+    def __init__(self, replicas: ReplicaSet[B], request: GenerateRequest) -> None:
         self._set = replicas
         self._request = request
         self._tried: set[str] = set()
@@ -569,7 +573,7 @@ class ReplicaStream:
         self._cancelled = False
         self._started = False
         self._outcome: GenerateResult | BackendError | None = None
-        self._replica: Replica | None = None
+        self._replica: Replica[B] | None = None
         self._held = False
         self._inner: TokenStream = self._open()
 

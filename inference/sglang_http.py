@@ -59,7 +59,7 @@ from inference.http_backend import HttpBackend, Tokens
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest
-from inference.weight_sync import CollectiveSource, open_transfer
+from inference.weight_source import CollectiveSource, open_transfer
 
 
 def generate_payload(request: GenerateRequest, stream: bool) -> dict[str, Any]:

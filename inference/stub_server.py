@@ -530,12 +530,10 @@ def launch(
         f"--output-tokens={output_tokens}",
         *extra,
     ]
-    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    try:
+    if log is None:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    finally:
-        if log is not None:
-            out.close()
 
 
 def main(argv: list[str] | None = None) -> None:

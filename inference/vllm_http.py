@@ -61,7 +61,7 @@ from inference.http_backend import HttpBackend, Tokens
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest
-from inference.weight_sync import WIRE_DIR, CollectiveSource, open_transfer
+from inference.weight_source import WIRE_DIR, CollectiveSource, open_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +104,12 @@ def completion_body(model: str, request: GenerateRequest, stream: bool) -> dict[
     return body
 
 
+_FINISHES: dict[str | None, FinishReason] = {"stop": "stop", "length": "length"}
+
+
 def _finish(reason: str | None) -> FinishReason:
-    if reason in ("stop", "length"):
-        return reason
+    if reason in _FINISHES:
+        return _FINISHES[reason]
     raise BackendError(f"generation ended with finish_reason {reason!r}")
 
 
@@ -152,6 +155,10 @@ class VLLMBackend(HttpBackend):
             self._model = str(entry["id"])
             self._max_model_len = int(entry.get("max_model_len") or 0) or None
         return self._model, self._max_model_len or 0
+
+    async def served_context(self) -> int | None:
+        """vLLM's --max-model-len, from `/v1/models`."""
+        return (await self.server_info())[1] or None
 
     async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
         model, _ = await self.server_info()

@@ -29,7 +29,7 @@ once and fill them one member at a time would otherwise open twice as many
 groups as the trainer absorbs in time.
 
 A sample records the version its backend served, which trails the store's
-newest between a step's commit and the hot swap (`WeightSync`). Each version
+newest between a step's commit and the hot swap (`SwapLoop`). Each version
 the backend is behind uses up one step of the budget: the capacity in force
 is `(max_staleness + 1 - lag) x groups_per_step` units, so right after a step
 commits, new conversations wait for the swap rather than sample on weights

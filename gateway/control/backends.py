@@ -20,29 +20,30 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from core.config import ReplicaConfig, ServerCredentials
 from inference import registry
 from inference.backend import AdapterBackend, Backend
 from inference.chat_template import ChatTemplate
-from inference.http_common import ServerCredentials
 from inference.lora_view import AdapterView
-from inference.replicas import ReplicaConfig, ReplicaSet
-from inference.weight_sync import weights_source
-
-if TYPE_CHECKING:
-    from gateway.control.swap_barrier import SwapBarrier
+from inference.replicas import ReplicaSet
+from inference.swap import InPlaceSwap, ServerClient, ServerSwaps, SoleServerSwaps, Swapper
+from inference.weight_source import weights_source
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RunServing:
+    """A loaded run: its backend, its template, and how the swap loop swaps it."""
+
     backend: Backend
     template: ChatTemplate
     max_context: int
+    swapper: Swapper  # chosen when the run is loaded (`inference.swap`)
+    replicas: ReplicaSet[ServerClient] | None = None  # a remote run's servers
 
 
 @dataclass
@@ -68,7 +69,10 @@ class BackendPool:
         replica_config: ReplicaConfig | None = None,
         threads: int = 0,
         credentials: ServerCredentials | None = None,
+        swaps: ServerSwaps | None = None,
     ) -> None:
+        """`swaps`: how a remote run's servers join this process's swaps (default: alone;
+        on PostgreSQL, the barrier agreed with the other gateway processes)."""
         self.max_batch_size = max_batch_size
         self.credentials = credentials  # what remote runs' servers and weight server require
         self.threads = threads  # torch threads of an in-process backend (0: torch's default)
@@ -77,8 +81,7 @@ class BackendPool:
         self._serving: dict[str, RunServing] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[tuple[str, Path], SharedBase] = {}  # (kind, base dir) -> LoRA base
-        # PostgreSQL: the swap agreed with other gateway processes (gateway/control/swap_barrier)
-        self.barrier: SwapBarrier | None = None
+        self.swaps: ServerSwaps = swaps or SoleServerSwaps()
 
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
@@ -100,6 +103,7 @@ class BackendPool:
     ) -> RunServing:
         """The run's serving, loaded on first use. `lora`: the run trains a LoRA adapter, and
         `ckpt` (beyond version 0) is that adapter."""
+        self._check_kind(backend)
         if run_id in self._serving:
             return self._serving[run_id]
         lock = self._locks.setdefault(run_id, asyncio.Lock())
@@ -117,6 +121,9 @@ class BackendPool:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
                 self._serving[run_id] = serving
         return self._serving[run_id]
+
+    def _check_kind(self, backend: str) -> None:
+        """Raise if this pool may not serve runs of kind `backend` (any kind here)."""
 
     async def _load_lora(
         self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
@@ -157,7 +164,9 @@ class BackendPool:
             if not ckpt.is_dir():
                 raise OSError(f"adapter {ckpt} of version {version} is missing")
             await view.load_weights(ckpt, version)
-        return RunServing(view, serving.template, serving.max_context)
+        # the adapter swaps in this process alone; closing leaves the servers' swaps too
+        swapper = InPlaceSwap(view, serving.swapper.close)
+        return RunServing(view, serving.template, serving.max_context, swapper, serving.replicas)
 
     async def _release_base(self, run_id: str) -> None:
         """Drop `run_id` from its shared base; the last run out closes the base."""
@@ -189,7 +198,7 @@ class BackendPool:
             threads=self.threads,
         )
         logger.info("loaded %s (version %d) for serving", source, version)
-        return RunServing(be, template, be.max_context)
+        return RunServing(be, template, be.max_context, InPlaceSwap(be))
 
     async def replica_urls(self, run_id: str) -> list[str]:
         from core.store.replicas import replica_urls
@@ -219,34 +228,21 @@ class BackendPool:
         members = [(url, kind.connect_to(url, credentials=self.credentials), url) for url in urls]
         replicas = ReplicaSet(members, self.replica_config)
         try:
-            for _, be, _ in members:
-                info = getattr(be, "server_info", None)
-                if info is not None:  # the server's own limit (vLLM --max-model-len) may be lower
-                    try:
-                        max_context = min(max_context, (await info())[1] or max_context)
-                        break
-                    except Exception as exc:  # a down replica: ask the next one
-                        logger.warning("%s: %s", be, exc)
+            max_context = min(max_context, await _served_context(members) or max_context)
             # from the trainer, if it offers the version
             source = weights_source(ckpt, version) if version > 0 and ckpt is not None else None
-            if self.barrier is not None:  # other gateway processes may serve these servers
-                await self.barrier.join(run_id, replicas, source, version)
-            elif source is not None:
-                await replicas.load_weights(source, version)
+            swapper = await self.swaps.join(run_id, replicas, source, version)
         except BaseException:
             await replicas.close()
             raise
         replicas.start()
         logger.info("run %s: %d %s replica(s) at v%d", run_id, len(urls), backend, version)
-        return RunServing(replicas, template, max_context)
+        return RunServing(replicas, template, max_context, swapper, replicas)
 
-    def _replica_set(self, run_id: str) -> ReplicaSet | None:
+    def _replica_set(self, run_id: str) -> ReplicaSet[ServerClient] | None:
         """The loaded run's replica set, also behind a remote LoRA run's adapter view."""
         serving = self._serving.get(run_id)
-        backend = None if serving is None else serving.backend
-        if isinstance(backend, AdapterView):
-            backend = backend.backend
-        return backend if isinstance(backend, ReplicaSet) else None
+        return None if serving is None else serving.replicas
 
     async def add_replica(self, run_id: str, kind: str, url: str) -> None:
         """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
@@ -290,9 +286,20 @@ class BackendPool:
                 await serving.backend.close()
         finally:
             await self._release_base(run_id)
-            if self.barrier is not None:
-                await self.barrier.leave(run_id)
+            if serving is not None:
+                await serving.swapper.close()
 
     async def close(self) -> None:
         for run_id in list(self._serving):
             await self.unload(run_id)
+        await self.swaps.close()
+
+
+async def _served_context(members: list[tuple[str, ServerClient, str]]) -> int | None:
+    """The first answering server's own context limit (vLLM --max-model-len), if any."""
+    for _, be, _ in members:
+        try:
+            return await be.served_context()
+        except Exception as exc:  # a down replica: ask the next one
+            logger.warning("%s: %s", be, exc)
+    return None

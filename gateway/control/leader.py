@@ -3,7 +3,7 @@
 Several gateway processes may share one store (`rlgate up --workers N`, or
 several hosts behind a load balancer). Exactly one of them at a time, the
 leader, runs the training scheduler's loop (`TrainingScheduler`); every
-process, leader or not, hot-swaps its own backend clients (`WeightSync`),
+process, leader or not, hot-swaps its own backend clients (`SwapLoop`),
 because each holds backends of its own.
 
 PostgreSQL (`AdvisoryLockLeader`): the leader holds a session-level

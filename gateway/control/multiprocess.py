@@ -9,10 +9,8 @@ vLLM or SGLang servers, shared by every process, serve instead.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gateway.admin.runs import RunService
-from gateway.control.backends import BackendPool, RunServing
+from gateway.control.backends import BackendPool
 from gateway.errors import APIError, InvalidRequest, Unavailable
 from gateway.protocol import RunCreate, RunCreated
 from inference import registry
@@ -34,18 +32,8 @@ def refuse_in_process(backend: str, error: type[APIError]) -> None:
 class RemoteOnlyPool(BackendPool):
     """A `BackendPool` that never loads an in-process backend."""
 
-    async def get(
-        self,
-        run_id: str,
-        model_dir: Path,
-        backend: str,
-        version: int,
-        ckpt: Path | None,
-        *,
-        lora: bool = False,
-    ) -> RunServing:
+    def _check_kind(self, backend: str) -> None:
         refuse_in_process(backend, Unavailable)
-        return await super().get(run_id, model_dir, backend, version, ckpt, lora=lora)
 
 
 class RemoteOnlyRuns(RunService):

@@ -16,7 +16,7 @@ connection of its own per run it serves:
   released its shared hold; shared requests made meanwhile queue behind the
   waiting exclusive one, so a swap is never starved.
 
-The swap (`swap`), in every process whose `WeightSync` sees a newer version:
+The swap (`swap`), in every process whose `SwapLoop` sees a newer version:
 
 1. close this process's gates and drain its requests (`ReplicaSet.quiesced`);
 2. release shared, wait for exclusive (every other process has done step 1);
@@ -55,7 +55,10 @@ Not covered: a LoRA run's adapter (`AdapterView`) still loads per process,
 and a replica that returns or is added is brought to the set's weights by each
 process as it admits it (docs/deployment.md).
 
-SQLite (one process): no barrier; `WeightSync` swaps its own clients.
+The barrier is a `ServerSwaps` (`inference.swap`), chosen once at start-up:
+`join` hands the pool a `BarrierSwap`, the run's `Swapper`, so the swap loop
+has no branch for it. SQLite (one process): `SoleServerSwaps`, each process
+swaps its own clients.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from core.store.db import normalize_url
-from inference.replicas import ReplicaSet
+from inference.swap import ServerSwaps, SharedReplicas, SoleServerSwaps, Swapper, WeightsSource
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +165,11 @@ class SwapBarrier:
         self._locks: dict[str, RunLock] = {}
         self._tried: dict[str, tuple[int, float]] = {}  # run -> (version, when) of a failed swap
 
-    async def join(self, run_id: str, replicas: ReplicaSet, source: Any, version: int) -> None:
-        """This process starts serving the run through `replicas` (its clients, at version 0).
+    async def join(
+        self, run_id: str, replicas: SharedReplicas, source: WeightsSource | None, version: int
+    ) -> Swapper:
+        """This process starts serving the run through `replicas` (its clients, at version 0);
+        the run's swapper from now on.
 
         `source`: the weights of `version`, loaded only if no other process serves the run.
         """
@@ -186,8 +192,11 @@ class SwapBarrier:
                 await conn.close()
             raise
         self._locks[run_id] = lock
+        return BarrierSwap(self, run_id, replicas)
 
-    async def swap(self, run_id: str, replicas: ReplicaSet, source: Any, version: int) -> None:
+    async def swap(
+        self, run_id: str, replicas: SharedReplicas, source: WeightsSource, version: int
+    ) -> None:
         """Bring this process's clients to `version`, reloading the servers if no one has."""
         lock = self._locks.get(run_id)
         if lock is None:
@@ -204,7 +213,12 @@ class SwapBarrier:
                 self._tried.pop(run_id, None)
 
     async def _swap(
-        self, run_id: str, lock: RunLock, replicas: ReplicaSet, source: Any, version: int
+        self,
+        run_id: str,
+        lock: RunLock,
+        replicas: SharedReplicas,
+        source: WeightsSource,
+        version: int,
     ) -> None:
         def done(recorded: dict[str, int]) -> bool:
             return _caught_up(recorded, replicas, version)
@@ -230,7 +244,7 @@ class SwapBarrier:
                 raise failed
 
     async def _swap_exclusive(
-        self, lock: RunLock, replicas: ReplicaSet, source: Any, version: int
+        self, lock: RunLock, replicas: SharedReplicas, source: WeightsSource, version: int
     ) -> None:
         recorded = await lock.recorded()
         replicas.set_versions(recorded, (source, version))
@@ -242,7 +256,7 @@ class SwapBarrier:
         finally:
             await lock.record(replicas.versions())
 
-    async def check(self, run_id: str, replicas: ReplicaSet) -> None:
+    async def check(self, run_id: str, replicas: SharedReplicas) -> None:
         """Hold the run's lock again if its connection died (a database restart took the lock
         with the session): with this process's requests drained, take shared and adopt the
         recorded versions. Raises while the database is away; the run keeps serving meanwhile.
@@ -281,13 +295,36 @@ class SwapBarrier:
         await self._engine.dispose()
 
 
-def _caught_up(recorded: dict[str, int], replicas: ReplicaSet, version: int) -> bool:
+class BarrierSwap:
+    """One run's `Swapper` through the barrier: its replica set, swapped with the others."""
+
+    def __init__(self, barrier: SwapBarrier, run_id: str, replicas: SharedReplicas) -> None:
+        self.barrier, self.run_id, self.replicas = barrier, run_id, replicas
+
+    @property
+    def version(self) -> int:
+        return self.replicas.version
+
+    async def check(self) -> None:
+        await self.barrier.check(self.run_id, self.replicas)  # its lock held, or taken again
+
+    async def swap(self, source: WeightsSource, version: int) -> None:
+        """As `SwapBarrier.swap`: a server that did not load `version` leaves `version`
+        behind, and the swap is tried again after the barrier's `retry_s`."""
+        await self.barrier.swap(self.run_id, self.replicas, source, version)
+
+    async def close(self) -> None:
+        await self.barrier.leave(self.run_id)
+
+
+def _caught_up(recorded: dict[str, int], replicas: SharedReplicas, version: int) -> bool:
     """Every server of `replicas` is recorded at `version` or later."""
     return all(recorded.get(name, 0) >= version for name in replicas.versions())
 
 
-def make_swap_barrier(url: str, retry_s: float = 30.0) -> SwapBarrier | None:
-    """A barrier on PostgreSQL (other processes may serve the same runs); none on SQLite."""
+def make_server_swaps(url: str, retry_s: float = 30.0) -> ServerSwaps:
+    """The barrier on PostgreSQL (other processes may serve the same runs); on SQLite this
+    process swaps alone."""
     if make_url(url).get_backend_name() == "postgresql":
         return SwapBarrier(url, retry_s)
-    return None
+    return SoleServerSwaps()

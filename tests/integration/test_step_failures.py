@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from core.settings import Settings
-from gateway.control.training import MAX_ATTEMPTS
+from gateway.control.scheduler import MAX_ATTEMPTS
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -141,7 +141,7 @@ async def test_a_swap_waits_for_every_process_to_drain_then_reloads_once(
         swap_a = asyncio.create_task(a.swap(RUN, set_a, tiny_model_dir, 1))
         await _until("A waiting for the exclusive lock", lambda: _waiting() == 1)
         result = await asyncio.wait_for(in_b, GUARD_S)
-        # B holds its shared lock until its own WeightSync sees the version: nothing reloaded
+        # B holds its shared lock until its own SwapLoop sees the version: nothing reloaded
         assert _stub(stub_url)["reloads"] == 0 and not swap_a.done()
         assert result.policy_version == 0
         assert _sampled_by(prompt, result.output_token_ids) == 0

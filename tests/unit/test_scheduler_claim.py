@@ -30,8 +30,8 @@ from core.config import QueueConfig
 from core.store.db import make_async_engine, make_sync_engine
 from core.store.migrate import upgrade
 from core.store.models import Run, TrainStep
-from gateway.control import training
-from gateway.control.training import TrainingScheduler
+from gateway.control import scheduler as scheduling
+from gateway.control.scheduler import TrainingScheduler
 from trainer.celery_app import make_celery
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -63,13 +63,13 @@ def _claim_with_hook(
 ) -> tuple[int | None, list[str]]:
     """Run one claim; the hook records what the trainer's no-wait commit did inside it."""
     seen: list[str] = []
-    original = training.step_in_flight
+    original = scheduling.step_in_flight
 
     async def hooked(session, run_id):
         seen.append(trainer_commit())
         return await original(session, run_id)
 
-    monkeypatch.setattr(training, "step_in_flight", hooked)
+    monkeypatch.setattr(scheduling, "step_in_flight", hooked)
 
     async def claim() -> int | None:
         engine = make_async_engine(url)
@@ -124,7 +124,7 @@ def test_a_busy_step_is_seen_without_taking_the_lock(tmp_path: Path, monkeypatch
     async def no_lock(session, run_id):
         raise AssertionError("the claim took the lock with a step in flight")
 
-    monkeypatch.setattr(training, "lock_run_for_claim", no_lock)
+    monkeypatch.setattr(scheduling, "lock_run_for_claim", no_lock)
     step, _ = _claim_with_hook(url, monkeypatch, lambda: "unused", tmp_path)
     assert step is None
 

@@ -19,7 +19,7 @@ from core.config import QueueConfig
 from core.store.db import make_async_engine, make_sync_engine
 from core.store.migrate import upgrade
 from core.store.models import Episode, Run
-from gateway.control.training import TrainingScheduler
+from gateway.control.scheduler import TrainingScheduler
 from trainer.celery_app import make_celery
 
 EXPIRES_IN_S = 2.5  # the old episode's expiry, from the seed

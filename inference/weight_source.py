@@ -3,7 +3,7 @@
 `weight_sync: disk` (the default): the trainer writes every version's
 checkpoint directory and each server reloads from it. `weight_sync:
 collective`: the trainer keeps the newest version in memory and offers it
-through its weight server (`trainer.weight_sync.WeightServer`); next to the
+through its weight server (`trainer.weight_server.WeightServer`); next to the
 version's checkpoint directory it writes an offer, `v<N>.offer.json`
 (`{"url": ..., "version": N}`), and writes the directory itself only every
 `save_every_steps` steps, on pause, stop and worker shutdown.

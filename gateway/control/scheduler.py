@@ -1,4 +1,4 @@
-"""Decide when a run trains, enqueue the step, and hot-swap finished versions into serving."""
+"""Decide when a run trains and enqueue its step: the scheduler, a task of its own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 from celery import Celery
 from sqlalchemy.exc import IntegrityError
@@ -19,15 +18,11 @@ from core.store.episodes import (
     release_step_episodes,
 )
 from core.store.models import Run, TrainStep, as_utc
-from core.store.runs import active_run_ids, checkpoint_of, claim_signature, lock_run_for_claim
+from core.store.runs import active_run_ids, claim_signature, lock_run_for_claim
 from core.store.status import StepStatus
 from core.store.steps import delete_step, step_busy, step_in_flight
-from gateway.control.backends import BackendPool, RunServing
 from gateway.control.batch_policy import BatchConfig, BatchDecision, Verdict, select_batch
 from gateway.control.leader import AdvisoryLockLeader, SoleLeader
-from inference import registry
-from inference.replicas import ReplicaSet
-from inference.weight_sync import weights_source
 from trainer.config import RunConfig
 from trainer.submit import submit_train_step
 
@@ -60,6 +55,8 @@ class TrainingScheduler:
 
     Only the leader among the gateway processes sharing the store schedules
     (`gateway.control.leader`); in the others `maybe_schedule` does nothing.
+    `run_forever` is its own task, apart from the swap loop
+    (`gateway.control.swapper`), so a slow reload never holds a step back.
     """
 
     def __init__(
@@ -212,120 +209,18 @@ class TrainingScheduler:
         async with self.sessions() as s:
             return await active_run_ids(s)
 
+    async def schedule_once(self) -> None:
+        """One pass: every active run gets a step if a batch is ready (the leader only)."""
+        if self.leader.is_leader:
+            for run_id in await self.active_runs():
+                await self.maybe_schedule(run_id)
 
-class WeightSync:
-    """Brings every loaded backend to its run's newest version.
-
-    Ordering contract: the trainer commits version N+1 (checkpoint written,
-    `runs.current_version` bumped, step marked done) in one transaction before
-    anything here sees it. This loop then calls `backend.load_weights`, which
-    lets in-flight generations finish on version N and starts every later one
-    on N+1; each stored completion records the version its backend reported,
-    i.e. the one that sampled all of its tokens. Between the commit and the
-    load, new completions are still sampled by N (at most one version behind;
-    the staleness bound counts them like any other sample).
-
-    For vllm/sglang runs the backend is a `ReplicaSet`: its `load_weights`
-    rolls N+1 across the servers one at a time (the others keep serving), and
-    each server drains before it reloads (`inference/http_backend.py`), so the
-    guarantee above holds per server; until the roll ends, completions from
-    different servers may carry N or N+1, each labelled with its own.
-
-    For a LoRA run the backend is the run's `AdapterView` on the shared base
-    (`gateway.control.backends`): its `load_weights` is `load_adapter` of the
-    run's adapter only, with the same ordering; the base and every other run's
-    adapter are untouched.
-
-    Every gateway process runs its own `WeightSync` on its own backends; only
-    the leader's loop also schedules training (`gateway.control.leader`).
-    On PostgreSQL, where other processes may hold clients of the same servers,
-    a remote run swaps through the pool's `SwapBarrier` instead
-    (`gateway.control.swap_barrier`): every process drains, one reloads each
-    server once, and all label with the version the server holds. Each run's
-    swap then runs in a task of its own, so that a swap waiting for the other
-    processes never keeps this process from noticing another run's (two
-    processes each waiting on the run the other has not yet looked at would
-    wait forever). LoRA runs still swap their adapter per process (the gap in
-    docs/deployment.md).
-    """
-
-    def __init__(
-        self,
-        sessions: async_sessionmaker[AsyncSession],
-        pool: BackendPool,
-        scheduler: TrainingScheduler,
-        interval_s: float,
-    ) -> None:
-        self.sessions = sessions
-        self.pool = pool
-        self.scheduler = scheduler
-        self.interval_s = interval_s
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # barrier swaps under way, per run
-
-    async def sync_once(self) -> None:
-        if getattr(self.pool, "barrier", None) is not None:
-            self._start_barrier_syncs()
-            return
-        for run_id, serving in self.pool.loaded().items():
-            try:
-                await self._sync_run(run_id, serving)
-            except Exception:  # one run's failed load must not stop the others
-                logger.exception("hot swap for run %s failed; will retry", run_id)
-
-    def _start_barrier_syncs(self) -> None:
-        for run_id, serving in self.pool.loaded().items():
-            if run_id not in self._tasks:
-                task = asyncio.create_task(
-                    self._sync_logged(run_id, serving), name=f"swap-{run_id}"
-                )
-                self._tasks[run_id] = task
-                task.add_done_callback(lambda _, run_id=run_id: self._tasks.pop(run_id, None))
-
-    async def _sync_logged(self, run_id: str, serving: RunServing) -> None:
-        try:
-            await self._sync_run(run_id, serving)
-        except Exception:
-            logger.exception("hot swap for run %s failed; will retry", run_id)
-
-    async def _sync_run(self, run_id: str, serving: RunServing) -> None:
-        barrier = getattr(self.pool, "barrier", None)
-        if barrier is not None and isinstance(serving.backend, ReplicaSet):
-            await barrier.check(run_id, serving.backend)  # its lock held, or taken again
-        async with self.sessions() as s:
-            run = await s.get(Run, run_id)
-            if run is None or run.current_version <= serving.backend.version:
-                return
-            target = run.current_version
-            ckpt = await checkpoint_of(s, run_id, target)
-            remote = registry.get(run.backend).remote
-        if ckpt is None:
-            return
-        # a remote run's trainer may offer the version over a collective (weight_sync)
-        source = weights_source(Path(ckpt), target) if remote else Path(ckpt)
-        if barrier is not None and isinstance(serving.backend, ReplicaSet):
-            await barrier.swap(run_id, serving.backend, source, target)
-            if serving.backend.version < target:
-                return  # some server did not load it; retried after the barrier's retry_s
-        else:
-            await serving.backend.load_weights(source, target)
-        logger.info("run %s now serves version %d", run_id, target)
-
-    async def run_forever(self) -> None:
-        try:
-            await self._loop()
-        finally:
-            for task in list(self._tasks.values()):
-                task.cancel()
-
-    async def _loop(self) -> None:
+    async def run_forever(self, interval_s: float) -> None:
         while True:
             try:
-                await self.sync_once()
-                if self.scheduler.leader.is_leader:
-                    for run_id in await self.scheduler.active_runs():
-                        await self.scheduler.maybe_schedule(run_id)
+                await self.schedule_once()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                logger.exception("weight sync pass failed; retrying")
-            await asyncio.sleep(self.interval_s)
+                logger.exception("scheduling pass failed; retrying")
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,179 @@
+"""The one swap protocol: how a run's serving takes a new policy version in place.
+
+Every backend kind is a `SwapTarget` (`inference.backend.Backend` extends it):
+the in-process `LocalBackend`, one HTTP server's client (`HttpBackend`), a
+`ReplicaSet` of them and a LoRA run's `AdapterView` (an adapter lane on a
+shared base). The control plane never swaps a backend directly: each loaded
+run has one `Swapper`, chosen when the run is loaded from the process's
+`ServerSwaps` (built once at start-up). `InPlaceSwap` calls the target's
+`load_weights`; the multi-process barrier (`gateway.control.swap_barrier`) is
+another `Swapper` around the same replica set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from inference.backend import Backend
+from inference.weight_source import CollectiveSource
+
+WeightsSource = Path | CollectiveSource  # a checkpoint directory, or the trainer's offer
+
+
+def weights_dir(source: WeightsSource) -> Path:
+    """The checkpoint directory of `source` (an in-process backend reads only from disk)."""
+    return source.checkpoint_dir if isinstance(source, CollectiveSource) else Path(source)
+
+
+class SwapTarget(Protocol):
+    """Something that serves one policy version and loads the next one in place."""
+
+    @property
+    def version(self) -> int:
+        """The policy version served now (what a request admitted now will record)."""
+        ...
+
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
+        """Load `version` in place and serve it from the next request on.
+
+        Requests already generating finish on the weights they started with.
+        """
+        ...
+
+
+class SharedServer(SwapTarget, Protocol):
+    """A client of a server that other clients (other gateway processes) also hold: the
+    steps of `load_weights` apart, so that the clients can agree on one reload."""
+
+    def quiesced(self, what: str) -> AbstractAsyncContextManager[None]:
+        """The gate closed and none of this client's requests in flight, until exit."""
+        ...
+
+    async def reload_quiesced(self, source: WeightsSource, version: int) -> None:
+        """Reload the server and label later requests `version`; the caller is quiesced."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """Label later requests `version` without reloading (another client loaded it)."""
+        ...
+
+
+class ServerClient(Backend, SharedServer, Protocol):
+    """The backend of one remote server (`HttpBackend`): what a remote kind connects to."""
+
+    async def served_context(self) -> int | None:
+        """The server's own context limit (vLLM's --max-model-len), if it reports one."""
+        ...
+
+
+class Swapper(Protocol):
+    """One run's hot swap in this process.
+
+    Ordering contract. The trainer commits version N+1 (checkpoint written or
+    offered, `runs.current_version` bumped, step done) in one transaction before
+    the swap loop sees it. `swap(source, N+1)` then lets requests already
+    generating finish on N and starts every later one on N+1: each backend
+    kind closes its admission (or queues the swap between batches), loads, and
+    only then bumps the version it labels results with. A stored completion
+    records the version its backend reported, the one that sampled all of its
+    tokens. Between the commit and the swap new completions are still sampled
+    by N (at most one version behind; the staleness bound counts them).
+
+    A replica set rolls N+1 across its servers one at a time, each draining
+    before it reloads, so until the roll ends completions from different
+    servers may carry N or N+1, each labelled with its own. A LoRA run swaps
+    only its adapter, in the same order; the base and other runs' adapters
+    stay. With several gateway processes on one store the barrier swapper
+    drains every process before one of them reloads each server once.
+    """
+
+    @property
+    def version(self) -> int:
+        """The version this process's clients of the run label results with."""
+        ...
+
+    async def check(self) -> None:
+        """Before each pass: restore what the next swap relies on (a no-op unless shared)."""
+        ...
+
+    async def swap(self, source: WeightsSource, version: int) -> None:
+        """Bring the run to `version` (contract above); raises if a server failed to load."""
+        ...
+
+    async def close(self) -> None:
+        """This process stops serving the run (the backend is closed by its owner)."""
+        ...
+
+
+async def _nothing() -> None:
+    return None
+
+
+class InPlaceSwap:
+    """The swapper of a run this process swaps alone: `target.load_weights`.
+
+    `release`: what `close` gives up beyond the target (a remote LoRA run's
+    membership of the barrier of the servers under its adapter).
+    """
+
+    def __init__(
+        self, target: SwapTarget, release: Callable[[], Awaitable[None]] = _nothing
+    ) -> None:
+        self.target, self._release = target, release
+
+    @property
+    def version(self) -> int:
+        return self.target.version
+
+    async def check(self) -> None:
+        return None
+
+    async def swap(self, source: WeightsSource, version: int) -> None:
+        await self.target.load_weights(source, version)
+
+    async def close(self) -> None:
+        await self._release()
+
+
+class SharedReplicas(SwapTarget, Protocol):
+    """A replica set over `SharedServer`s, as `ServerSwaps.join` needs it."""
+
+    def quiesced(self, what: str) -> AbstractAsyncContextManager[None]: ...
+
+    async def reload_quiesced(self, source: WeightsSource, version: int) -> None: ...
+
+    def set_versions(self, versions: dict[str, int], target: tuple[Any, int] | None) -> None: ...
+
+    def versions(self) -> dict[str, int]: ...
+
+
+class ServerSwaps(Protocol):
+    """How this process takes a remote run's servers into its swaps, chosen at start-up:
+    alone (`SoleServerSwaps`) or agreed with other processes (`SwapBarrier`)."""
+
+    async def join(
+        self, run_id: str, replicas: SharedReplicas, source: WeightsSource | None, version: int
+    ) -> Swapper:
+        """`replicas` start serving the run here at `version` (`source`: its weights)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what every run's swapper shares (connections)."""
+        ...
+
+
+class SoleServerSwaps:
+    """One process serves the store: it loads the run's version itself and swaps in place."""
+
+    async def join(
+        self, run_id: str, replicas: SharedReplicas, source: WeightsSource | None, version: int
+    ) -> Swapper:
+        if source is not None:
+            await replicas.load_weights(source, version)
+        return InPlaceSwap(replicas)
+
+    async def close(self) -> None:
+        return None
