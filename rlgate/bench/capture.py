@@ -5,10 +5,9 @@ storing path (`CaptureWriter`, `write_rows`) into a fresh database:
 `agents` concurrent agents each play episodes of `turns` turns, and an
 agent sends its next turn only once the previous one is committed (as a
 real agent, which waits for the answer). "batched" is the started writer
-(group commit); "baseline" is one transaction per completion, the path
-before group commit. Each mode runs `seconds` of load; completions/s counts
-rows found in the database afterwards, not submissions. The last printed
-line is one JSON object.
+(group commit); "baseline" is one transaction per completion. Each mode
+runs `seconds` of load; completions/s counts rows found in the database
+afterwards, not submissions. The last printed line is one JSON object.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-LITELLM_VERSION = "1.108.7"  # the release issue #25's figures were taken against
+LITELLM_VERSION = "1.108.7"  # the release the published figures were taken against
 LITELLM_VENV = Path.home() / ".cache" / "rlgate" / "litellm-venv"
 TEXT_MODEL = "stub-model"  # /v1/completions, forwarded as is (token-id prompts included)
 CHAT_MODEL = "stub-chat"  # /v1/chat/completions, forwarded to the stub's chat route

@@ -3,7 +3,7 @@
 On a 2-core machine a Python load generator is itself the ceiling (it tops
 out near 230 requests/s against a stub that can serve 3,600 with `wrk`), which
 squeezes every target towards the same figure. `wrk` leaves the CPU to the
-servers being measured. The result has the shape of `bench_load.load`.
+servers being measured. The result has the shape of `rlgate.bench.load.load`.
 
 wrk's own "Requests/sec" counts every answer, a fast 429 included, so the
 script below counts answers per HTTP status in a Lua `response()` hook and

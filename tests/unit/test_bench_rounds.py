@@ -1,4 +1,4 @@
-"""`bench_load.measure` with rounds: levels interleaved, each level read as its rounds' median."""
+"""`load.measure` with rounds: levels interleaved, each level read as its rounds' median."""
 
 from __future__ import annotations
 
