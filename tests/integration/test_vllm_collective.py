@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from inference.weight_sync import offer_path, saved
+from inference.weight_source import offer_path, saved
 from tests.integration.conftest import Stack
 from tests.integration.test_vllm import (  # noqa: F401 (fixtures)
     TOL,
