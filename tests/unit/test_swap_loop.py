@@ -1,0 +1,115 @@
+"""Each run's swap runs on its own task: one slow reload delays no other run, nor scheduling.
+
+SQLite store; the backends are stand-ins whose reload can be held on an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy.orm import Session
+
+from core.config import QueueConfig
+from core.store.db import make_async_engine, make_sync_engine
+from core.store.migrate import upgrade
+from core.store.models import PolicyVersion, Run
+from gateway.control.backends import BackendPool, RunServing
+from gateway.control.scheduler import TrainingScheduler
+from gateway.control.swapper import SwapLoop
+from inference.chat_template import ChatTemplate
+from inference.swap import InPlaceSwap, WeightsSource
+from trainer.celery_app import make_celery
+
+
+class HeldTarget:
+    """A swap target whose reload waits for `release` (None: it reloads at once)."""
+
+    def __init__(self, release: asyncio.Event | None = None) -> None:
+        self.version = 0
+        self.release = release
+        self.loads: list[tuple[WeightsSource, int]] = []
+
+    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
+        self.loads.append((checkpoint_dir, version))
+        if self.release is not None:
+            await self.release.wait()
+        self.version = version
+
+
+class Pool:
+    """The pool as the swap loop sees it: the loaded runs."""
+
+    def __init__(self, targets: dict[str, HeldTarget]) -> None:
+        template = cast(ChatTemplate, None)  # never rendered here
+        self.serving = {
+            run_id: RunServing(cast(Any, t), template, 0, InPlaceSwap(t))
+            for run_id, t in targets.items()
+        }
+
+    def loaded(self) -> dict[str, RunServing]:
+        return dict(self.serving)
+
+
+class CountingScheduler(TrainingScheduler):
+    passes = 0
+
+    async def schedule_once(self) -> None:
+        self.passes += 1
+        await super().schedule_once()
+
+
+def _seed(url: str, tmp_path: Path) -> None:
+    upgrade(url)
+    with Session(make_sync_engine(url)) as s, s.begin():
+        for run_id in ("run_slow", "run_fast"):
+            ckpt = tmp_path / run_id / "v1"
+            ckpt.mkdir(parents=True)
+            s.add(Run(id=run_id, name=run_id, model="tiny", model_path="/x", current_version=1))
+            s.flush()
+            s.add(PolicyVersion(run_id=run_id, version=1, checkpoint_path=str(ckpt)))
+
+
+async def _until(check: Any, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_slow_reload_delays_neither_another_runs_swap_nor_the_scheduler(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'rlgate.db'}"
+    _seed(url, tmp_path)
+
+    async def scenario() -> None:
+        engine = make_async_engine(url)
+        release = asyncio.Event()
+        slow, fast = HeldTarget(release), HeldTarget()
+        pool = Pool({"run_slow": slow, "run_fast": fast})
+        sessions = async_sessionmaker(engine, expire_on_commit=False)
+        swaps = SwapLoop(sessions, cast(BackendPool, pool), interval_s=0.05)
+        celery = make_celery(QueueConfig(data_dir=tmp_path / "broker"))
+        scheduler = CountingScheduler(sessions, celery)
+        tasks = [
+            asyncio.create_task(swaps.run_forever()),
+            asyncio.create_task(scheduler.run_forever(0.05)),
+        ]
+        try:
+            await _until(lambda: fast.version == 1 and slow.loads)
+            passes = scheduler.passes
+            await _until(lambda: scheduler.passes >= passes + 3)  # still scheduling
+            assert slow.version == 0 and len(slow.loads) == 1  # held, and never started twice
+            release.set()
+            await _until(lambda: slow.version == 1)
+            assert fast.loads == [(tmp_path / "run_fast" / "v1", 1)]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await engine.dispose()
+
+    asyncio.run(scenario())
