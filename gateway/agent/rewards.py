@@ -36,7 +36,7 @@ class RewardService:
             acks: list[RewardAck | None] = [None] * len(bodies)
             for i, body in enumerate(bodies):
                 if body.idempotency_key is not None and first_of[i] == i:
-                    acks[i] = await self._replay(run, body)
+                    acks[i] = await self._replay(run, body, body.idempotency_key)
             self._check_bounds(
                 run, [b for i, b in enumerate(bodies) if first_of[i] == i and acks[i] is None]
             )
@@ -49,10 +49,7 @@ class RewardService:
                 if attempt == 2:
                     raise
                 continue  # a concurrent post with one of our keys won: replay it
-            for i, j in enumerate(first_of):
-                if j != i:
-                    acks[i] = acks[j].model_copy(update={"duplicate": True})
-            return acks  # type: ignore[return-value]
+            return [_ack_of(acks, i, j) for i, j in enumerate(first_of)]
         raise AssertionError("unreachable")
 
     @staticmethod
@@ -100,8 +97,10 @@ class RewardService:
                     f"no completion {body.completion_id!r} in this run", param="completion_id"
                 )
             episode_id = completion.episode_id
-        else:
+        elif body.episode_id is not None:
             episode_id = body.episode_id
+        else:  # RewardRequest names exactly one target
+            raise AssertionError("a reward without a completion_id or an episode_id")
         episode = await s.get(Episode, (run.id, episode_id))
         if episode is None:
             raise NotFound(f"no episode {episode_id!r} in this run", param="episode_id")
@@ -122,8 +121,7 @@ class RewardService:
             await refresh_episode_status(s, episode)
         else:
             # Late: the episode is already queued, trained or dropped. Stored, not trained.
-            run_row = await s.get(Run, run.id)
-            bump_counter(run_row, "late_rewards")
+            bump_counter(await s.get_one(Run, run.id), "late_rewards")
         await s.flush()
         return RewardAck(
             id=row.id,
@@ -134,9 +132,9 @@ class RewardService:
             episode_status=episode.status,
         )
 
-    async def _replay(self, run: Run, body: RewardRequest) -> RewardAck | None:
+    async def _replay(self, run: Run, body: RewardRequest, key: str) -> RewardAck | None:
         async with self.sessions() as s:
-            prior = await reward_by_idempotency_key(s, run.id, body.idempotency_key)
+            prior = await reward_by_idempotency_key(s, run.id, key)
             if prior is None:
                 return None
             same = (
@@ -160,3 +158,11 @@ class RewardService:
                 episode_status=episode.status if episode else "unknown",
                 duplicate=True,
             )
+
+
+def _ack_of(acks: list[RewardAck | None], i: int, first: int) -> RewardAck:
+    """Item `i`'s acknowledgement: its own, or (a repeated key) its first's, as a duplicate."""
+    ack = acks[first]
+    if ack is None:  # every first occurrence was replayed or applied
+        raise AssertionError(f"reward {first} of the batch has no acknowledgement")
+    return ack if first == i else ack.model_copy(update={"duplicate": True})

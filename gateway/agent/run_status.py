@@ -121,7 +121,7 @@ class RunStatusService:
                 base.model_copy(
                     update={
                         "episode": judge.episode(ep) if ep is not None else None,
-                        "group": judge.group(gid, group) if group else None,
+                        "group": judge.group(gid, group) if gid and group else None,
                     }
                 )
             )

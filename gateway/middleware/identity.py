@@ -64,6 +64,12 @@ class Identity:
             raise AuthenticationFailed(_MISSING[0], code=_MISSING[1])
         return self.key
 
+    def required_hash(self) -> str:
+        """The key's hash (what the store and the quotas key on); 401 without a key."""
+        if self.key_hash is None:
+            raise AuthenticationFailed(_MISSING[0], code=_MISSING[1])
+        return self.key_hash
+
 
 ANONYMOUS = Identity(None, None)
 
@@ -128,10 +134,9 @@ async def authenticated_run(state, scope: Scope) -> Run:
     run = scope.get("state", {}).get("run")
     if run is not None:
         return run
-    ident = identity_of(scope)
-    ident.required_key()
+    key_hash = identity_of(scope).required_hash()
     try:
-        run = await lookup_run(state, ident.key_hash)  # type: ignore[arg-type]
+        run = await lookup_run(state, key_hash)
     except DBAPIError as exc:  # also raised outside the app's handlers (middleware)
         err = database_failure(exc)
         if err is None:

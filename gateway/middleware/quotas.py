@@ -57,7 +57,9 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Usage:
+class QuotaUsage:
+    """A key's counts in the current minute and UTC day."""
+
     requests_this_min: int
     tokens_today: int
 
@@ -114,12 +116,12 @@ class QuotaService:
         data = json.loads(raw)
         return Limits(data.get("requests_per_min"), data.get("tokens_per_day"))
 
-    async def usage(self, key_hash: str, now: float | None = None) -> Usage:
+    async def usage(self, key_hash: str, now: float | None = None) -> QuotaUsage:
         now = time.time() if now is None else now
         req, tok = await self.redis.mget(
             self._k("req", key_hash, int(now // 60)), self._k("tok", key_hash, int(now // DAY_S))
         )
-        return Usage(int(req or 0), int(tok or 0))
+        return QuotaUsage(int(req or 0), int(tok or 0))
 
     async def admit(self, key_hash: str, now: float | None = None) -> Standing:
         """Count one request; raise OverQuota if the key is over either limit."""
@@ -140,7 +142,9 @@ class QuotaService:
         if limits.requests_per_min is not None:
             window = self._k("req", key_hash, int(now // 60))
             async with self.redis.pipeline(transaction=True) as pipe:
-                requests, _ = await pipe.incr(window).expire(window, 120).execute()
+                pipe.incr(window)
+                pipe.expire(window, 120)
+                requests, _ = await pipe.execute()
             if requests > limits.requests_per_min:
                 raise OverQuota(
                     RateLimited(
@@ -158,7 +162,9 @@ class QuotaService:
         now = time.time() if now is None else now
         day = self._k("tok", key_hash, int(now // DAY_S))
         async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.incrby(day, n).expire(day, 2 * DAY_S).execute()
+            pipe.incrby(day, n)
+            pipe.expire(day, 2 * DAY_S)
+            await pipe.execute()
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -211,8 +217,7 @@ class QuotaMiddleware:
         except APIError:  # no key, not a run's, the database away: the route answers
             await self.app(scope, receive, send)
             return
-        key_hash = ident.key_hash
-        assert key_hash is not None
+        key_hash = ident.required_hash()  # there is one: the run was found by it
         try:
             standing = await quotas.admit(key_hash)
         except OverQuota as exc:
