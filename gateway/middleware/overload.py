@@ -43,13 +43,12 @@ hundreds in flight, while one whose own CPU is the bottleneck (a fast
 backend, many small calls) serves more with a few dozen. The signal is the
 event loop's lag: while it stays under `lag_target_s` and the limit is in
 use, the limit grows by 5 % per tick; above it, it shrinks by 20 %. A call
-already admitted always finishes; only new ones wait. The target is 10 ms.
-With 25 ms a CPU-bound process at 512 chat clients held 400-512 calls in
-flight, and each call cost it about 10 % more CPU than with 128 in flight
-(four interleaved pairs against a fixed limit of 128, docs/benchmarks.md);
-with 10 ms it holds 150-270. With 5 ms it held too few at 128 clients: a
-fifth of its core idle. A process whose calls wait on a GPU server keeps its
-loop nearly idle, so its limit still grows to the maximum.
+already admitted always finishes; only new ones wait. The target (10 ms)
+weighs CPU per call against idle CPU: a CPU-bound process allowed more lag
+holds so many calls in flight that each costs it more CPU, and one allowed
+less holds too few to keep its core busy. A process whose calls wait on a
+GPU server keeps its loop nearly idle, so its limit still grows to the
+maximum.
 
 A call whose client disconnects while it waits is dropped when its turn
 comes, before any of its work (its body is read first to tell), and counted
