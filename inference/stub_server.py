@@ -46,7 +46,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,51 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
         }
 
 
+Tok = tuple[int, float]  # (token id, logprob)
+
+
+async def sampled_answer(
+    sample: AsyncIterator[tuple[int, float, str | None]],
+    stream: bool,
+    chunk: Callable[[list[Tok], str | None], dict],
+    whole: Callable[[list[Tok], str], dict],
+) -> Any:
+    """What both flavors do with a sample: an SSE frame per token (`chunk` of the tokens so
+    far) ending in `[DONE]`, or one body (`whole` of every token and the finish reason)."""
+    if stream:
+
+        async def events() -> AsyncIterator[str]:
+            toks: list[Tok] = []
+            async for tok, lp, finish in sample:
+                toks.append((tok, lp))
+                yield sse(chunk(toks, finish))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    toks: list[Tok] = []
+    finish = "length"
+    async for tok, lp, fin in sample:
+        toks.append((tok, lp))
+        finish = fin or finish
+    return whole(toks, finish)
+
+
+def add_pause_routes(
+    app: FastAPI, state: StubState, pause: str, resume: str, answer: Callable[[str], dict]
+) -> None:
+    """The flavor's pause and resume paths (`answer` of "paused"/"continued": its body)."""
+
+    @app.post(pause)
+    async def paused() -> JSONResponse:
+        state.resumed.clear()
+        return JSONResponse(answer("paused"))
+
+    @app.post(resume)
+    async def resumed() -> JSONResponse:
+        state.resumed.set()
+        return JSONResponse(answer("continued"))
+
+
 def add_vllm_routes(app: FastAPI, state: StubState) -> None:
     cfg = state.cfg
 
@@ -204,16 +249,7 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
 
     if cfg.lora:
         add_vllm_lora_routes(app, state)
-
-    @app.post("/pause")
-    async def pause() -> JSONResponse:
-        state.resumed.clear()
-        return JSONResponse({})
-
-    @app.post("/resume")
-    async def resume() -> JSONResponse:
-        state.resumed.set()
-        return JSONResponse({})
+    add_pause_routes(app, state, "/pause", "/resume", lambda _: {})
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> JSONResponse:
@@ -228,6 +264,14 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
         body = await request.json() if await request.body() else {}
         state.weight_version_label = str(body.get("version", body.get("weight_version")))
         return JSONResponse({})
+
+    add_vllm_completions_route(app, state)
+    add_vllm_chat_route(app, state)
+
+
+def add_vllm_completions_route(app: FastAPI, state: StubState) -> None:
+    """`POST /v1/completions` on token ids, with vLLM's `return_token_ids` extension."""
+    cfg = state.cfg
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -246,7 +290,7 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
         want_lp = body.get("logprobs") is not None
         cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
-        def choice(toks: list[tuple[int, float]], finish: str | None, first: bool) -> dict:
+        def choice(toks: list[Tok], finish: str | None, first: bool) -> dict:
             c: dict[str, Any] = {
                 "index": 0,
                 "text": "".join(text_of(t) for t, _ in toks),
@@ -277,24 +321,12 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
                 "total_tokens": len(prompt) + n,
             }
 
-        if body.get("stream"):
-
-            async def events() -> AsyncIterator[str]:
-                first = True
-                async for tok, lp, finish in state.sample(prompt, max_tokens, stop_ids, salt):
-                    yield sse(envelope(choice([(tok, lp)], finish, first)))
-                    first = False
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        toks: list[tuple[int, float]] = []
-        finish = "length"
-        async for tok, lp, fin in state.sample(prompt, max_tokens, stop_ids, salt):
-            toks.append((tok, lp))
-            finish = fin or finish
-        return envelope(choice(toks, finish, True), usage(len(toks)))
-
-    add_vllm_chat_route(app, state)
+        return await sampled_answer(
+            state.sample(prompt, max_tokens, stop_ids, salt),
+            bool(body.get("stream")),
+            lambda toks, finish: envelope(choice(toks[-1:], finish, len(toks) == 1)),
+            lambda toks, finish: envelope(choice(toks, finish, True), usage(len(toks))),
+        )
 
 
 def add_vllm_chat_route(app: FastAPI, state: StubState) -> None:
@@ -371,15 +403,13 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
     async def model_info() -> dict[str, Any]:
         return {"model_path": state.weights_path or cfg.model, "is_generation": True}
 
-    @app.post("/pause_generation")
-    async def pause() -> JSONResponse:
-        state.resumed.clear()
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
-
-    @app.post("/continue_generation")
-    async def resume() -> JSONResponse:
-        state.resumed.set()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+    add_pause_routes(
+        app,
+        state,
+        "/pause_generation",
+        "/continue_generation",
+        lambda done: {"message": f"Generation {done} successfully.", "status": "ok"},
+    )
 
     @app.post("/update_weights_from_disk")
     async def update(request: Request) -> JSONResponse:
@@ -390,6 +420,13 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
         state.weight_version_label = body.get("weight_version")
         msg = "Succeeded to update model weights."
         return JSONResponse({"success": True, "message": msg, "num_paused_requests": 0})
+
+    add_sglang_lora_routes(app, state)
+    add_sglang_generate_route(app, state)
+
+
+def add_sglang_lora_routes(app: FastAPI, state: StubState) -> None:
+    """SGLang's LoRA load and unload, answering with every loaded adapter."""
 
     def lora_answer(success: bool, message: str = "") -> JSONResponse:
         body = {"success": success, "error_message": message, "loaded_adapters": state.adapters}
@@ -414,6 +451,11 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
             return lora_answer(False, f"LoRA adapter {name} is not loaded")
         return lora_answer(True)
 
+
+def add_sglang_generate_route(app: FastAPI, state: StubState) -> None:
+    """`POST /generate` on `input_ids`, with SGLang's `meta_info`."""
+    cfg = state.cfg
+
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         if (full := state.overloaded()) is not None:
@@ -430,7 +472,7 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
         stop_ids = set(sp.get("stop_token_ids") or [])
         rid = body.get("rid") or uuid.uuid4().hex
 
-        def payload(toks: list[tuple[int, float]], finish: str | None, since: int = 0) -> dict:
+        def payload(toks: list[Tok], finish: str | None, since: int = 0) -> dict:
             meta: dict[str, Any] = {
                 "id": rid,
                 "finish_reason": None,
@@ -451,24 +493,16 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
             text = "".join(text_of(t) for t, _ in toks[since:])
             return {"text": text, "output_ids": [t for t, _ in toks[since:]], "meta_info": meta}
 
-        if body.get("stream"):
+        def chunk(toks: list[Tok], finish: str | None) -> dict:
+            # cumulative by default, as SGLang streams; or only the new token
+            return payload(toks, finish, len(toks) - 1 if cfg.incremental_streaming_output else 0)
 
-            async def events() -> AsyncIterator[str]:
-                toks: list[tuple[int, float]] = []
-                async for tok, lp, finish in state.sample(ids, max_new, stop_ids, salt):
-                    toks.append((tok, lp))
-                    # cumulative by default, as SGLang streams; or only the new token
-                    since = len(toks) - 1 if cfg.incremental_streaming_output else 0
-                    yield sse(payload(toks, finish, since))
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        toks = []
-        finish = "length"
-        async for tok, lp, fin in state.sample(ids, max_new, stop_ids, salt):
-            toks.append((tok, lp))
-            finish = fin or finish
-        return payload(toks, finish)
+        return await sampled_answer(
+            state.sample(ids, max_new, stop_ids, salt),
+            bool(body.get("stream")),
+            chunk,
+            payload,
+        )
 
 
 def create_app(cfg: StubConfig) -> FastAPI:
