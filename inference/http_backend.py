@@ -104,7 +104,7 @@ class HttpBackend(abc.ABC):
     a replica set retries a non-streaming one elsewhere). The alternative,
     refusing the swap and trying again later, would close the gate for
     another `drain_timeout_s` on every attempt while one stuck request holds
-    the new version back indefinitely; `ReplicaSet` and `WeightSync` both
+    the new version back indefinitely; `ReplicaSet` and `SwapLoop` both
     expect a load that comes after a bounded wait.
 
     LoRA adapters (`inference.backend.AdapterBackend`). Each loaded adapter
