@@ -321,7 +321,7 @@ def test_a_failing_step_raises_with_the_ranks_stderr(tiny_model_dir: Path, tmp_p
             timeout_s=300,
         )
     message = str(info.value)
-    assert "torchrun exited 1" in message
+    assert "resident group start failed" in message  # the stream ended, or torchrun exited
     # the ranks' own stderr files are attached (a rank killed early may have written nothing)
     assert "/attempt_0/0/stderr.log" in message
     assert "not-a-model" in message
