@@ -1,6 +1,6 @@
 """The one swap protocol: how a run's serving takes a new policy version in place.
 
-Every backend kind is a `SwapTarget` (`inference.backend.Backend` extends it):
+Every backend kind is a `SwapTarget` (`inference.backend.Backend` declares it):
 the in-process `LocalBackend`, one HTTP server's client (`HttpBackend`), a
 `ReplicaSet` of them and a LoRA run's `AdapterView` (an adapter lane on a
 shared base). The control plane never swaps a backend directly: each loaded
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from inference.backend import Backend
 from inference.weight_source import CollectiveSource
@@ -44,17 +44,22 @@ class SwapTarget(Protocol):
         ...
 
 
-class SharedServer(SwapTarget, Protocol):
-    """A client of a server that other clients (other gateway processes) also hold: the
-    steps of `load_weights` apart, so that the clients can agree on one reload."""
+class Quiescible(SwapTarget, Protocol):
+    """`load_weights` in its steps apart, so that several clients of the same servers (other
+    gateway processes) can agree on one reload: quiesce, reload or adopt, reopen."""
 
     def quiesced(self, what: str) -> AbstractAsyncContextManager[None]:
         """The gate closed and none of this client's requests in flight, until exit."""
         ...
 
     async def reload_quiesced(self, source: WeightsSource, version: int) -> None:
-        """Reload the server and label later requests `version`; the caller is quiesced."""
+        """Reload the server(s) behind and label later requests `version`; the caller is
+        quiesced."""
         ...
+
+
+class SharedServer(Quiescible, Protocol):
+    """A client of one server that other clients also hold."""
 
     def set_version(self, version: int) -> None:
         """Label later requests `version` without reloading (another client loaded it)."""
@@ -138,16 +143,20 @@ class InPlaceSwap:
         await self._release()
 
 
-class SharedReplicas(SwapTarget, Protocol):
-    """A replica set over `SharedServer`s, as `ServerSwaps.join` needs it."""
+class SharedReplicas(Quiescible, Protocol):
+    """A replica set over `SharedServer`s (`ReplicaSet[ServerClient]`), as the barrier
+    needs it."""
 
-    def quiesced(self, what: str) -> AbstractAsyncContextManager[None]: ...
+    def set_versions(
+        self, versions: dict[str, int], target: tuple[WeightsSource, int] | None
+    ) -> None:
+        """Adopt each server's version as another client had it load (by replica name);
+        `target`: the weights a returning replica gets."""
+        ...
 
-    async def reload_quiesced(self, source: WeightsSource, version: int) -> None: ...
-
-    def set_versions(self, versions: dict[str, int], target: tuple[Any, int] | None) -> None: ...
-
-    def versions(self) -> dict[str, int]: ...
+    def versions(self) -> dict[str, int]:
+        """The version each server's client labels results with, by replica name."""
+        ...
 
 
 class ServerSwaps(Protocol):
