@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import uuid
 from pathlib import Path
 
@@ -165,7 +166,7 @@ class RunService:
         async with self.sessions() as s:
             return await list_runs(s)
 
-    async def steps(self, run_id: str) -> list[TrainStepPublic]:
+    async def steps(self, run_id: str) -> builtins.list[TrainStepPublic]:  # `list` is a method here
         await self.get(run_id)
         async with self.sessions() as s:
             rows = await run_steps(s, run_id)
