@@ -13,7 +13,7 @@ import re
 import httpx
 import pytest
 
-from tests.browser.rl_run import ADMIN_KEY
+from tests.browser.rl_run import ADMIN_KEY, _create
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -119,13 +119,15 @@ def test_create_run_from_the_ui(browser, real_run) -> None:
 
 
 def test_keys_page_create_and_revoke(browser, real_run) -> None:
-    run_id = real_run.run["run_id"]
+    # a run of its own: its chat call must not add an episode to the shared run's lists
+    own = _create(real_run.url, "keys-page", real_run.run["model"])
+    run_id = own["run_id"]
     page = browser.new_page()
     _login(page, real_run.url)
     page.goto(f"{real_run.url}/dashboard/runs/{run_id}/keys")
     page.click("text=New key")
     key = page.inner_text("#new-key")
-    chat = {"model": real_run.run["name"], "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "keys-page", "messages": [{"role": "user", "content": "hi"}]}
     http = httpx.Client(base_url=real_run.url, timeout=60)
     auth = {"Authorization": f"Bearer {key}"}
     assert http.post("/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth).is_success
