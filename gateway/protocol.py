@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     computed_field,
     field_validator,
     model_validator,
@@ -328,6 +329,12 @@ class RewardAck(BaseModel):
     progress: RunProgress | None = None
 
 
+def _backend_kinds(schema: dict[str, JsonValue]) -> None:
+    """The schema's `enum` of backend kinds, read when the schema is built, not at import."""
+    kinds: list[JsonValue] = [*registry.names()]
+    schema["enum"] = kinds
+
+
 class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -336,7 +343,7 @@ class RunCreate(BaseModel):
     backend: str = Field(
         "local",
         description="a backend kind of inference.registry (local, vllm, sglang, ...)",
-        json_schema_extra=lambda schema: schema.update(enum=registry.names()),  # at schema time
+        json_schema_extra=_backend_kinds,
     )
     config: dict[str, Any] = Field(default_factory=dict, description="trainer.config.RunConfig")
     # remote backends: base URLs of servers already serving `model` (more: POST .../replicas)
@@ -412,8 +419,7 @@ class TrainStepPublic(BaseModel):
     def _no_metrics_yet(cls, v: Any) -> Any:
         return {} if v is None else v  # a step that has not finished has none
 
-    @computed_field
-    @property
+    @computed_field(return_type=int)  # wraps the method in a property
     def version(self) -> int:
         """The policy version this step produces."""
         return self.step + 1

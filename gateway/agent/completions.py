@@ -1,4 +1,4 @@
-"""Chat completions: render, generate token ids, store the exact sample, answer in OpenAI form."""
+"""Chat completions: render, generate token ids, store the exact sample (the sampling core)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from core.store.lineage import Lineage
 from core.store.models import Completion, Run
 from core.store.runs import checkpoint_of, list_runs
 from gateway.agent.capture import CaptureWriter
+from gateway.agent.encoders.chat import chat_completion
 from gateway.agent.episodes import (
     EpisodeRef,
     Placement,
@@ -31,19 +32,10 @@ from gateway.agent.episodes import (
 from gateway.control.admission import Admission, run_unavailable
 from gateway.control.backends import BackendPool, RunServing
 from gateway.errors import InvalidRequest, Unavailable, backend_failure
-from gateway.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Choice,
-    ChoiceLogprobs,
-    CompletionTokensDetails,
-    ResponseMessage,
-    TokenLogprob,
-    Usage,
-)
+from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from inference import registry
 from inference.backend import BackendError
-from inference.reasoning import opens_think, split_reasoning, think_token_count
+from inference.reasoning import opens_think, split_reasoning
 from inference.tool_parsers import ToolParser, get_parser
 from inference.tool_prompt import with_tools
 from inference.types import (
@@ -66,14 +58,15 @@ class Prepared:
     """A chat call ready to sample: where it goes and exactly which ids the model will see."""
 
     run: Run
-    req: ChatCompletionRequest
     serving: RunServing
     messages: list[dict[str, Any]]
     placement: Placement
     prompt_ids: list[int]
     spliced: bool
     params: SamplingParams
+    n: int = 1  # choices to sample, each an episode of the call's group
     tool_parser: ToolParser | None = None  # set when the call offers tools
+    one_tool_call: bool = False  # `parallel_tool_calls: false`: keep the first call only
     reasoning: bool = False  # split <think>...</think> into reasoning_content
     think_open: bool = False  # the prompt ends in an open <think>: sampling starts inside it
 
@@ -176,20 +169,7 @@ class ChatService:
         enables `thinking`).
         """
         explicit_ids(ref, req.metadata)  # validate ids before any work
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name):
-                raise InvalidRequest(
-                    f"{name} is not supported by the local backend: penalised sampling would "
-                    "make the reported logprobs differ from the trainer's",
-                    param=name,
-                )
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise InvalidRequest(
-                f"response_format {fmt!r} needs a backend with guided decoding (vLLM); "
-                "the local backend has none",
-                param="response_format",
-            )
+        check_supported(req)
         try:
             messages = [m.normalized() for m in req.messages]
         except ValueError as exc:
@@ -199,31 +179,8 @@ class ChatService:
         placement = await place(
             self.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
         )
-        chain = await self.lineage.ancestry(placement.parent)
-        parent = placement.parent
+        prompt_ids, spliced = await self.render(serving, req, messages, placement)
         template = serving.template
-        # Our own earlier answers are rendered as the text that was sampled (tool calls
-        # included), not rebuilt from the structured message the agent echoed; the splice
-        # keeps their sampled ids (`sampled_stream`), for chat and Responses alike.
-        to_render = with_sampled_answers(messages, chain, template.decode)
-        to_render, native_tools = with_tools(
-            to_render, req.tool_dicts(), req.tool_choice, template.native_tools
-        )
-        try:
-            if parent is not None:
-                stream, answers = sampled_stream(chain)
-                prompt_ids, spliced = await asyncio.to_thread(
-                    template.continue_from, stream, to_render, native_tools, answers
-                )
-            else:
-                prompt_ids = template.lookup(to_render, native_tools)
-                if prompt_ids is None:
-                    prompt_ids = await asyncio.to_thread(template.render, to_render, native_tools)
-                spliced = False
-        except Exception as exc:  # a template can raise on roles or shapes it does not know
-            raise InvalidRequest(
-                f"messages could not be rendered: {exc}", param="messages"
-            ) from exc
         params = sampling_params(
             n_prompt=len(prompt_ids),
             max_new=req.max_new_tokens(DEFAULT_MAX_TOKENS),
@@ -243,17 +200,50 @@ class ChatService:
         await self.admit(run, cfg, placement, req.n or 1)
         return Prepared(
             run,
-            req,
             serving,
             messages,
             placement,
             prompt_ids,
             spliced,
             params,
-            parser,
+            n=req.n or 1,
+            tool_parser=parser,
+            one_tool_call=req.parallel_tool_calls is False,
             reasoning=reasoning,
             think_open=think_open,
         )
+
+    async def render(
+        self,
+        serving: RunServing,
+        req: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        placement: Placement,
+    ) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether they continue the parent's sampled ids."""
+        chain = await self.lineage.ancestry(placement.parent)
+        template = serving.template
+        # Our own earlier answers are rendered as the text that was sampled (tool calls
+        # included), not rebuilt from the structured message the agent echoed; the splice
+        # keeps their sampled ids (`sampled_stream`), for chat and Responses alike.
+        to_render = with_sampled_answers(messages, chain, template.decode)
+        to_render, native_tools = with_tools(
+            to_render, req.tool_dicts(), req.tool_choice, template.native_tools
+        )
+        try:
+            if placement.parent is not None:
+                stream, answers = sampled_stream(chain)
+                return await asyncio.to_thread(
+                    template.continue_from, stream, to_render, native_tools, answers
+                )
+            cached = template.lookup(to_render, native_tools)
+            if cached is not None:
+                return cached, False
+            return await asyncio.to_thread(template.render, to_render, native_tools), False
+        except Exception as exc:  # a template can raise on roles or shapes it does not know
+            raise InvalidRequest(
+                f"messages could not be rendered: {exc}", param="messages"
+            ) from exc
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or
@@ -267,9 +257,9 @@ class ChatService:
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
         prep = await self.prepare(run, req, ref)
-        base_id = "chatcmpl-" + uuid.uuid4().hex
+        base_id = new_chat_id()
         rows, group_id = await self.sample(prep, base_id)
-        return self._response(req, prep.serving, base_id, group_id, rows)
+        return chat_completion(req, prep, base_id, group_id, rows)
 
     async def sample(self, prep: Prepared, base_id: str) -> tuple[list[Completion], str | None]:
         """Sample the call's `n` choices and store them: (the stored rows, the group of n > 1).
@@ -277,7 +267,7 @@ class ChatService:
         With n = 1 the completion's id is `base_id`; choice i of n > 1 is `base_id-i`.
         """
         serving, params, prompt_ids, run = prep.serving, prep.params, prep.prompt_ids, prep.run
-        n = prep.req.n or 1
+        n = prep.n
         try:
             results = await asyncio.gather(
                 *(
@@ -321,7 +311,7 @@ class ChatService:
             reasoning, text = split_reasoning(text, prep.think_open)
         if prep.tool_parser is not None:
             text, parsed = prep.tool_parser(text)
-            if prep.req.parallel_tool_calls is False:
+            if prep.one_tool_call:
                 parsed = parsed[:1]
             calls = [c.to_openai() for c in parsed]
         row = Completion(
@@ -346,7 +336,9 @@ class ChatService:
             link=placement.link,
         )
         if row.drift:
-            logger.info("template drift in run %s after %s: new sequence", prep.run.id, parent.id)
+            logger.info(
+                "template drift in run %s after %s: new sequence", prep.run.id, row.parent_id
+            )
         return row
 
     async def store(self, rows: list[Completion], group_id: str | None) -> None:
@@ -356,46 +348,6 @@ class ChatService:
         awaited, so an answered completion is always stored; 503 if the database is down.
         """
         await self.capture.submit(rows, group_id)
-
-    @staticmethod
-    def _response(
-        req, serving: RunServing, base_id: str, group_id: str | None, rows: list[Completion]
-    ) -> ChatCompletion:
-        tok = serving.template.tokenizer
-        choices = []
-        for i, row in enumerate(rows):
-            logprobs = None
-            if req.logprobs:
-                logprobs = ChoiceLogprobs(
-                    content=[
-                        TokenLogprob(token=tok.decode([t]), logprob=lp)
-                        for t, lp in zip(row.output_token_ids, row.output_logprobs, strict=True)
-                    ]
-                )
-            choices.append(
-                Choice(
-                    index=i,
-                    message=ResponseMessage(
-                        content=row.content if (row.content or not row.tool_calls) else None,
-                        tool_calls=row.tool_calls,
-                        reasoning_content=row.reasoning_content,
-                    ),
-                    logprobs=logprobs,
-                    finish_reason=finish_reason(row),
-                    completion_id=row.id,
-                    episode_id=row.episode_id,
-                )
-            )
-        return ChatCompletion(
-            id=base_id,
-            model=req.model,
-            choices=choices,
-            usage=chat_usage(rows, serving.template.decode),
-            system_fingerprint=f"rlgate-{rows[0].run_id}-v{rows[0].policy_version}",
-            episode_id=rows[0].episode_id if len(rows) == 1 else None,
-            group_id=group_id,
-            policy_version=rows[0].policy_version,
-        )
 
 
 def sampling_params(
@@ -436,28 +388,26 @@ def sampling_params(
         raise InvalidRequest(str(exc)) from exc
 
 
-def chat_usage(rows: list[Completion], decode) -> Usage:
-    """Token counts of a call's choices (they share the prompt); with reasoning parsed, the
-    thinking tokens too (`completion_tokens_details.reasoning_tokens`, as OpenAI counts them)."""
-    n_prompt = len(rows[0].prompt_token_ids)
-    n_out = sum(len(r.output_token_ids) for r in rows)
-    thinking = [r for r in rows if r.reasoning_content is not None]
-    details = None
-    if thinking:
-        n_think = sum(think_token_count(list(r.output_token_ids), decode) for r in thinking)
-        details = CompletionTokensDetails(reasoning_tokens=n_think)
-    return Usage(
-        prompt_tokens=n_prompt,
-        completion_tokens=n_out,
-        total_tokens=n_prompt + n_out,
-        completion_tokens_details=details,
-    )
+def check_supported(req: ChatCompletionRequest) -> None:
+    """Refuse what the backends cannot sample exactly, before any work."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise InvalidRequest(
+                f"{name} is not supported by the local backend: penalised sampling would "
+                "make the reported logprobs differ from the trainer's",
+                param=name,
+            )
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise InvalidRequest(
+            f"response_format {fmt!r} needs a backend with guided decoding (vLLM); "
+            "the local backend has none",
+            param="response_format",
+        )
 
 
-def finish_reason(row: Completion) -> str:
-    if row.tool_calls:
-        return "tool_calls"
-    return "length" if row.finish_reason == "length" else "stop"
+def new_chat_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
 
 
 def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:

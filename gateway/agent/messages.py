@@ -20,12 +20,10 @@ placement, prefix matching and splicing work unchanged, and an episode may
 mix Messages and chat calls. Images and documents are refused: rlgate serves
 text models.
 
-Streaming drives `ChatStream` and turns its chunks into Anthropic's events:
-`message_start`, `ping`, then per block `content_block_start`, its deltas
-(`thinking_delta` then `signature_delta`, `text_delta`, `input_json_delta`)
-and `content_block_stop`, then `message_delta` (stop reason, usage) and
-`message_stop`. The completion is stored before `message_delta` is sent; a
-failure after the first event is an `error` event.
+Streaming encodes the sampling core's events (`gateway.agent.events`) as
+Anthropic's events (`gateway.agent.encoders.messages`). The completion is
+stored before `message_delta` is sent; a failure after the first event is an
+`error` event.
 """
 
 from __future__ import annotations
@@ -37,22 +35,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from core.store.models import Completion, Run
+from core.store.models import Run
 from gateway.agent.completions import ChatService, Prepared
+from gateway.agent.encoders.messages import MessageEvents, failure, message_response
 from gateway.agent.episodes import EpisodeRef
-from gateway.agent.streaming import ChatStream
-from gateway.errors import APIError, InvalidRequest, backend_failure
+from gateway.agent.events import encoded
+from gateway.agent.sse import event_stream, sse_events
+from gateway.agent.streaming import SampleStream
+from gateway.errors import APIError, InvalidRequest
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol_messages import (
     CountTokensRequest,
     MessageResponse,
     MessagesRequest,
-    MessageUsage,
     TokenCount,
 )
-from inference.backend import BackendError
 from inference.tool_prompt import with_tools
 
 logger = logging.getLogger(__name__)
@@ -75,12 +75,15 @@ class MessagesService:
         rows, _ = await self.chat.sample(prep, new_message_id())
         return message_response(req, prep, rows[0])
 
-    async def start_stream(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> MessageStream:
+    async def start_stream(
+        self, run: Run, req: MessagesRequest, ref: EpisodeRef
+    ) -> StreamingResponse:
         """Every client error, and a backend full or down, is raised before the first event."""
         prep = await self.prepare(run, req, ref)
-        chat = ChatStream(self.chat, prep, new_message_id())
-        await chat.open()
-        return MessageStream(self.chat, req, prep, chat)
+        stream = SampleStream(self.chat, prep, new_message_id())
+        await stream.open()
+        events = encoded(stream.events(), MessageEvents(req, prep, stream.id))
+        return event_stream(sse_events(_ended_by_errors(events, stream.id)), stream.episode_id)
 
     async def count_tokens(self, run: Run, req: CountTokensRequest) -> TokenCount:
         """The prompt's tokens as a new conversation would render it (no splice, no admission)."""
@@ -262,180 +265,14 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     return msg
 
 
-# --- answer translation --------------------------------------------------------------------
-
-
-def stop_of(prep: Prepared, row: Completion) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a stored completion."""
-    if row.tool_calls:
-        return "tool_use", None
-    if row.finish_reason == "length":
-        return "max_tokens", None
-    text = prep.serving.template.decode(list(row.output_token_ids))
-    hits = [(text.find(s), s) for s in prep.params.stop if s in text]
-    if hits:
-        return "stop_sequence", min(hits)[1]
-    return "end_turn", None
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object Anthropic's `input` is (the parser made them JSON)."""
+async def _ended_by_errors(
+    events: AsyncIterator[dict[str, Any]], label: str
+) -> AsyncIterator[dict[str, Any]]:
+    """`events`, ended by Anthropic's error event when the answer could not be stored (the
+    status line went out with the first event)."""
     try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def content_blocks(row: Completion) -> list[dict[str, Any]]:
-    """The answer's blocks: thinking (signed with the message id), text, tool uses."""
-    blocks: list[dict[str, Any]] = []
-    if row.reasoning_content is not None:
-        blocks.append({"type": "thinking", "thinking": row.reasoning_content, "signature": row.id})
-    if row.content or not row.tool_calls:
-        blocks.append({"type": "text", "text": row.content or ""})
-    for call in row.tool_calls or []:
-        fn = call["function"]
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": call["id"],
-                "name": fn["name"],
-                "input": tool_input(fn["arguments"]),
-            }
-        )
-    return blocks
-
-
-def message_response(req: MessagesRequest, prep: Prepared, row: Completion) -> MessageResponse:
-    stop_reason, stop_sequence = stop_of(prep, row)
-    return MessageResponse(
-        id=row.id,
-        content=content_blocks(row),
-        model=req.model,
-        stop_reason=stop_reason,
-        stop_sequence=stop_sequence,
-        usage=MessageUsage(
-            input_tokens=len(row.prompt_token_ids), output_tokens=len(row.output_token_ids)
-        ),
-        completion_id=row.id,
-        episode_id=row.episode_id,
-        policy_version=row.policy_version,
-    )
-
-
-class MessageStream:
-    """One streaming message: `events()` yields Anthropic's events as JSON-ready dicts."""
-
-    def __init__(
-        self, chat: ChatService, req: MessagesRequest, prep: Prepared, stream: ChatStream
-    ) -> None:
-        self.chat = chat
-        self.req = req
-        self.prep = prep
-        self.stream = stream
-        self.index = -1  # the open block's index
-        self.open_kind: str | None = None  # the open block's type
-
-    @property
-    def episode_id(self) -> str:
-        return self.prep.placement.episode_id
-
-    def start(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self.stop()
-        self.index += 1
-        self.open_kind = kind
-        events.append({"type": "content_block_start", "index": self.index, "content_block": block})
-        return events
-
-    def stop(self) -> list[dict[str, Any]]:
-        if self.open_kind is None:
-            return []
-        events = []
-        if self.open_kind == "thinking":
-            delta = {"type": "signature_delta", "signature": self.stream.id}
-            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
-        events.append({"type": "content_block_stop", "index": self.index})
-        self.open_kind = None
-        return events
-
-    def delta(self, kind: str, **fields: Any) -> dict[str, Any]:
-        delta = {"type": kind, **fields}
-        return {"type": "content_block_delta", "index": self.index, "delta": delta}
-
-    def message_start(self) -> dict[str, Any]:
-        usage = {"input_tokens": len(self.prep.prompt_ids), "output_tokens": 0}
-        message = {
-            "id": self.stream.id,
-            "type": "message",
-            "role": "assistant",
-            "content": [],
-            "model": self.req.model,
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": usage,
-            # --- rlgate extensions
-            "completion_id": self.stream.id,
-            "episode_id": self.episode_id,
-            "policy_version": self.prep.serving.backend.version,
-        }
-        return {"type": "message_start", "message": message}
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        yield self.message_start()
-        yield {"type": "ping"}
-        chunks = self.stream.chunks()
-        try:
-            async for chunk in chunks:
-                if "error" in chunk:  # the chat stream's in-stream error: the backend broke
-                    raise BackendError(chunk["error"]["message"])
-                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
-                for event in self.translate(delta):
-                    yield event
-        except BackendError as exc:
-            logger.warning("message stream %s failed: %s", self.stream.id, exc)
-            yield {"type": "error", "error": backend_failure(exc).anthropic_body()["error"]}
-            return
-        except APIError as exc:  # e.g. the database gone before the answer could be stored
-            logger.warning("message stream %s ended by an error: %s", self.stream.id, exc.message)
-            yield {"type": "error", "error": exc.anthropic_body()["error"]}
-            return
-        finally:
-            await chunks.aclose()
-        if self.index < 0:  # nothing was said: one empty text block, as Anthropic sends
-            for event in self.start("text", {"type": "text", "text": ""}):
-                yield event
-        for event in self.stop():
+        async for event in events:
             yield event
-        async with self.chat.sessions() as s:
-            row = await s.get(Completion, self.stream.id)
-        assert row is not None, "the chat stream stores its completion before it finishes"
-        stop_reason, stop_sequence = stop_of(self.prep, row)
-        yield {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": len(row.output_token_ids)},
-            # --- rlgate extension
-            "policy_version": row.policy_version,
-        }
-        yield {"type": "message_stop"}
-
-    def translate(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """Anthropic's events for one chat delta."""
-        events: list[dict[str, Any]] = []
-        if delta.get("reasoning_content"):
-            if self.open_kind != "thinking":
-                events += self.start("thinking", {"type": "thinking", "thinking": ""})
-            events.append(self.delta("thinking_delta", thinking=delta["reasoning_content"]))
-        if delta.get("content"):
-            if self.open_kind != "text":
-                events += self.start("text", {"type": "text", "text": ""})
-            events.append(self.delta("text_delta", text=delta["content"]))
-        for call in delta.get("tool_calls") or []:
-            fn = call["function"]
-            block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
-            events += self.start("tool_use", block)
-            args = json.dumps(tool_input(fn["arguments"]), ensure_ascii=False)
-            events.append(self.delta("input_json_delta", partial_json=args))
-            events += self.stop()
-        return events
+    except APIError as exc:
+        logger.warning("message stream %s ended by an error: %s", label, exc.message)
+        yield failure(exc)

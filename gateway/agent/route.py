@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,7 @@ from gateway.errors import APIError
 if TYPE_CHECKING:
     from fastapi._compat import ModelField
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 class AgentRoute(APIRoute):
@@ -140,7 +140,7 @@ def _plan(route: APIRoute) -> _Plan:
         body_model,
         d.request_param_name,
         d.response_param_name,
-        tuple(deps),  # type: ignore[arg-type]
+        tuple(deps),
         tuple(f.name for f in d.path_params),
     )
 
@@ -251,7 +251,7 @@ def agent_handler(route: APIRoute) -> Handler:
         if plan.response_name is not None:
             sub = Response()
             del sub.headers["content-length"]
-            sub.status_code = None  # type: ignore[assignment]
+            sub.status_code = 0  # unset: falls back to the route's status below
             values[plan.response_name] = sub
         result = await endpoint(**values)
         if isinstance(result, Response):

@@ -1,14 +1,18 @@
-"""Server-sent events as OpenAI streams them, and the streaming answer that carries them."""
+"""Server-sent events as OpenAI streams them, the streaming answer that carries them, and the
+one way an API family's route answers (a stream or a whole answer)."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from fastapi import Response
 from fastapi.responses import StreamingResponse
 
+from core.store.models import Run
+from gateway.agent.episodes import EpisodeRef
 from gateway.errors import APIError
 from gateway.identifiers import header_value
 
@@ -46,3 +50,38 @@ def event_stream(lines: AsyncIterator[str], episode_id: str) -> StreamingRespons
         media_type="text/event-stream",
         headers={"X-Rlgate-Episode-Id": header_value(episode_id), "Cache-Control": "no-cache"},
     )
+
+
+class Answer(Protocol):
+    @property
+    def episode_id(self) -> str | None: ...
+
+
+Req = TypeVar("Req", contravariant=True)
+Resp = TypeVar("Resp", bound=Answer, covariant=True)
+
+
+class Family(Protocol[Req, Resp]):
+    """An API family's service: a whole answer, or a stream opened before its first byte."""
+
+    async def create(self, run: Run, req: Req, ref: EpisodeRef) -> Resp: ...
+
+    async def start_stream(self, run: Run, req: Req, ref: EpisodeRef) -> StreamingResponse: ...
+
+
+async def answer(
+    service: Family[Req, Resp],
+    run: Run,
+    body: Req,
+    ref: EpisodeRef,
+    response: Response,
+    *,
+    stream: bool,
+) -> Resp | StreamingResponse:
+    """The route's answer; a whole one names its episode in a header, as a stream does."""
+    if stream:
+        return await service.start_stream(run, body, ref)
+    resp = await service.create(run, body, ref)
+    if resp.episode_id is not None:
+        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
+    return resp

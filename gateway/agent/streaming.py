@@ -1,13 +1,15 @@
-"""Token-by-token streaming of a chat completion as OpenAI's `chat.completion.chunk`s.
+"""The sampling core of a streamed completion: backend tokens in, typed events out.
 
-Ordering: the role chunk goes out first; each sampled token is decoded
-incrementally and sent as soon as it forms whole characters; when sampling
-ends, the completion is STORED, then the finish chunk (and the usage chunk,
-if asked for) is sent, then `[DONE]`. A client that disconnects mid-stream
-cancels generation at the backend's next step; the partial completion is
-stored with finish_reason "cancelled" (the trainer does not train on it).
-If the backend fails after tokens were sampled, the stream ends with an
-OpenAI-style error event (`{"error": {...}}`) and nothing is stored.
+Ordering: each sampled token is decoded incrementally and its text sent as
+soon as it forms whole characters; when sampling ends, the completion is
+STORED, then what was held back (parsed tool calls, the tail of a split)
+goes out, then `Done` with the stored row. A client that disconnects
+mid-stream cancels generation at the backend's next step; the partial
+completion is stored with finish_reason "cancelled" (the trainer does not
+train on it). If the backend fails after tokens were sampled, the events end
+with `StreamError` and nothing is stored. The event types and their order
+are `gateway.agent.events`; each API family encodes them
+(`gateway.agent.encoders`).
 """
 
 from __future__ import annotations
@@ -15,17 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
 
 import anyio
 
 from core.store.models import Completion
-from gateway.agent.completions import ChatService, Prepared, chat_usage, finish_reason
+from gateway.agent.completions import ChatService, Prepared
+from gateway.agent.events import (
+    Done,
+    ReasoningDelta,
+    StreamError,
+    StreamEvent,
+    TextDelta,
+    Token,
+    ToolCallDelta,
+)
 from gateway.errors import backend_failure
-from gateway.protocol import Usage
 from inference.backend import BackendError, TokenStream
 from inference.detokenize import Detokenizer
 from inference.reasoning import ThinkStream
@@ -35,7 +43,9 @@ from inference.types import GenerateRequest, GenerateResult, truncate_at_stop
 logger = logging.getLogger(__name__)
 
 
-async def keep_partial(stream: TokenStream, store, label: str) -> None:
+async def keep_partial(
+    stream: TokenStream, store: Callable[[GenerateResult], Awaitable[object]], label: str
+) -> None:
     """After a disconnect (or failure) mid-stream: stop sampling, store what was sampled.
 
     Shielded: the request's task is being cancelled, and the store must still happen.
@@ -61,7 +71,7 @@ class IncrementalDecoder:
     `flush` decodes the whole list once, as the stored completion does.
     """
 
-    def __init__(self, decode, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
         self.decode = decode
         self.stop = stop
         self._text = Detokenizer(decode)
@@ -121,15 +131,15 @@ class IncrementalDecoder:
         return out
 
 
-class BackendStream:
-    """What chat and text streaming share; subclasses yield their chunks from `_chunks()`.
+class SampleStream:
+    """One streamed completion: `events()` yields its typed events (`gateway.agent.events`).
 
     The backend stream starts in `__init__`, and the route awaits `open()` (the first
     token) before it answers: a backend that is full or down before its first token is
     the same plain 429 or 503 as without streaming (`gateway.errors.backend_failure`),
-    not an error event after a 200. `chunks()` turns a later failure into an in-stream
-    error event and, if the completion was not stored (a disconnect or that failure),
-    keeps what was sampled via `keep_partial`.
+    not an error event after a 200. `events()` turns a later failure into `StreamError`
+    and, if the completion was not stored (a disconnect or that failure), keeps what was
+    sampled via `keep_partial`.
     """
 
     def __init__(self, chat: ChatService, prep: Prepared, completion_id: str) -> None:
@@ -143,11 +153,13 @@ class BackendStream:
             )
         except BackendError as exc:  # e.g. a full queue, no healthy replica: before any byte
             raise backend_failure(exc) from exc
-        opts = prep.req.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
         self.stored = False
         self._tokens = aiter(self.stream.tokens())
         self._first: tuple[int, float] | None = None
+
+    @property
+    def episode_id(self) -> str:
+        return self.prep.placement.episode_id
 
     async def open(self) -> None:
         """Wait for the first token; a backend failure before it raises its HTTP error."""
@@ -167,30 +179,55 @@ class BackendStream:
         async for item in self._tokens:
             yield item
 
-    def _chunks(self) -> AsyncIterator[dict[str, Any]]:
-        raise NotImplementedError
-
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[StreamEvent, None]:
         try:
-            async with aclosing(self._chunks()) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            async with aclosing(self._sampled()) as sampled:
+                async for event in sampled:
+                    yield event
         except BackendError as exc:
             # The backend died after this stream had tokens (a replica set retries only
-            # before the first one): end with OpenAI's in-stream error event; nothing is stored.
+            # before the first one): the encoders end with their error event; nothing is stored.
             logger.warning("stream %s broke mid-generation: %s", self.id, exc)
-            yield backend_failure(exc).body()
+            yield StreamError(backend_failure(exc))
         finally:
             if not self.stored:
                 await keep_partial(self.stream, self._store, self.id)
 
-    def usage_chunk(self, chunk: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
-        """The last chunk when `stream_options.include_usage` is set: `chunk` with no choices."""
-        n_prompt, n_out = len(self.prep.prompt_ids), len(result.output_token_ids)
-        usage = Usage(
-            prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out
+    async def _sampled(self) -> AsyncGenerator[StreamEvent, None]:
+        prep = self.prep
+        decoder = IncrementalDecoder(prep.serving.template.decode, prep.params.stop)
+        # With reasoning parsed, the text is split as it comes: reasoning deltas inside
+        # <think>, then text deltas (`ThinkStream` holds back only what could still be a
+        # tag, or whitespace the split strips).
+        think = ThinkStream(prep.think_open) if prep.reasoning else None
+        # With tools offered, the answer may turn out to be a tool call: it is held back
+        # and sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
+        hold = prep.tool_parser is not None
+        pending: list[Token] = []  # sampled, not yet on a delta
+        async for token, logprob in self.tokens():
+            pending.append(Token(token, logprob, decoder.n_sent))
+            piece = decoder.push(token)
+            reasoning, content = think.push(piece) if think and piece else ("", piece)
+            for delta in _deltas(reasoning, "" if hold else content, pending):
+                yield delta
+                pending = []
+        result = await self.stream.result()
+        rest = decoder.flush()
+        row = await self._store(result)
+        reasoning, content = (
+            ("", rest) if think is None else _joined(think.push(rest), think.flush())
         )
-        return {**chunk, "choices": [], "usage": usage.model_dump()}
+        if hold:
+            content = row.content
+        # The last sampled tokens' logprobs ride on the first of these, or an empty one.
+        for delta in _deltas(reasoning, content, pending) or (
+            [TextDelta("", tuple(pending))] if pending else []
+        ):
+            yield delta
+        for i, call in enumerate(row.tool_calls or []):
+            yield ToolCallDelta(i, call)
+        logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
+        yield Done(row)
 
     async def _store(self, result: GenerateResult) -> Completion:
         row = self.chat.completion_row(self.prep, self.id, None, result)
@@ -207,80 +244,15 @@ class BackendStream:
         return row
 
 
-class ChatStream(BackendStream):
-    """One streaming call: `chunks()` yields JSON-ready chunk dicts."""
-
-    def __init__(self, chat: ChatService, prep: Prepared, completion_id: str | None = None) -> None:
-        super().__init__(chat, prep, completion_id or "chatcmpl-" + uuid.uuid4().hex)
-
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> dict:
-        chunk = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.prep.req.model,
-            "system_fingerprint": f"rlgate-{self.prep.run.id}-v{self.prep.serving.backend.version}",
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            ],
-            # --- rlgate extension: the episode this call is filed under
-            "episode_id": self.prep.placement.episode_id,
-        }
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _logprobs(self, pending: list[tuple[int, float]]) -> dict | None:
-        if not self.prep.req.logprobs:
-            return None
-        tok = self.prep.serving.template.tokenizer
-        return {"content": [{"token": tok.decode([t]), "logprob": lp} for t, lp in pending]}
-
-    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
-        decoder = IncrementalDecoder(self.prep.serving.template.decode, self.prep.params.stop)
-        # With reasoning parsed, the text is split as it comes: `reasoning_content` deltas
-        # inside <think>, then `content` deltas (`ThinkStream` holds back only what could
-        # still be a tag, or whitespace the split strips).
-        think = ThinkStream(self.prep.think_open) if self.prep.reasoning else None
-        # With tools offered, the answer may turn out to be a tool call: it is held back
-        # and sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
-        hold = self.prep.tool_parser is not None
-        yield self._chunk({"role": "assistant", "content": ""})
-        pending: list[tuple[int, float]] = []  # sampled, not yet on a chunk's logprobs
-        async for token, logprob in self.tokens():
-            pending.append((token, logprob))
-            piece = decoder.push(token)
-            reasoning, content = think.push(piece) if think and piece else ("", piece)
-            for delta in _deltas(reasoning, "" if hold else content):
-                yield self._chunk(delta, logprobs=self._logprobs(pending))
-                pending = []
-        result = await self.stream.result()
-        rest = decoder.flush()
-        row = await self._store(result)
-        reasoning, content = (
-            ("", rest) if think is None else _joined(think.push(rest), think.flush())
-        )
-        if hold:
-            content = row.content
-        # The last sampled tokens' logprobs ride on the first of these, or an empty one.
-        deltas = _deltas(reasoning, content) or ([{"content": ""}] if pending else [])
-        for delta in deltas:
-            yield self._chunk(delta, logprobs=self._logprobs(pending))
-            pending = []
-        for i, call in enumerate(row.tool_calls or []):
-            yield self._chunk({"tool_calls": [{"index": i, **call}]})
-        yield self._chunk({}, finish_reason(row))
-        if self.include_usage:
-            chunk = self.usage_chunk(self._chunk({}), result)
-            chunk["usage"] = chat_usage([row], self.prep.serving.template.decode).model_dump()
-            yield chunk
-        logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
-
-
-def _deltas(reasoning: str, content: str) -> list[dict[str, str]]:
-    """The chunk deltas for some split text: its reasoning first, then its answer."""
-    out = [{"reasoning_content": reasoning}] if reasoning else []
-    return [*out, {"content": content}] if content else out
+def _deltas(reasoning: str, content: str, tokens: list[Token]) -> list[ReasoningDelta | TextDelta]:
+    """The deltas of some split text: its reasoning first, then its answer; `tokens` ride
+    on the first."""
+    out: list[ReasoningDelta | TextDelta] = []
+    if reasoning:
+        out.append(ReasoningDelta(reasoning, tuple(tokens)))
+    if content:
+        out.append(TextDelta(content, () if out else tuple(tokens)))
+    return out
 
 
 def _joined(*parts: tuple[str, str]) -> tuple[str, str]:

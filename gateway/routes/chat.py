@@ -5,9 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from gateway.agent.completions import new_chat_id
+from gateway.agent.encoders.chat import ChatChunks
+from gateway.agent.events import encoded
 from gateway.agent.route import AgentRoute
 from gateway.agent.sse import event_stream, sse
-from gateway.agent.streaming import ChatStream
+from gateway.agent.streaming import SampleStream
 from gateway.deps import EpisodeRefDep, RunDep, check_request
 from gateway.errors import InvalidRequest
 from gateway.identifiers import header_value
@@ -30,9 +33,10 @@ async def chat_completions(
         if (body.n or 1) > 1:
             raise InvalidRequest("stream=true with n > 1 is not supported yet", param="n")
         prep = await chat.prepare(run, body, ref)
-        stream = ChatStream(chat, prep)
+        stream = SampleStream(chat, prep, new_chat_id())
         await stream.open()
-        return event_stream(sse(stream.chunks()), prep.placement.episode_id)
+        chunks = ChatChunks(body, prep, stream.id, stream.created)
+        return event_stream(sse(encoded(stream.events(), chunks)), stream.episode_id)
     resp = await chat.create(run, body, ref)
     if resp.episode_id is not None:
         response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)

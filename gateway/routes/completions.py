@@ -6,10 +6,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.agent.route import AgentRoute
-from gateway.agent.sse import event_stream, sse
+from gateway.agent.sse import answer
 from gateway.agent.text_completions import TextCompletionService
 from gateway.deps import EpisodeRefDep, RunDep, check_request
-from gateway.identifiers import header_value
 from gateway.protocol_legacy import CompletionRequest, TextCompletion
 
 router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
@@ -21,12 +20,4 @@ async def completions(
 ) -> TextCompletion | StreamingResponse:
     check_request(run, body, "completion")
     service = TextCompletionService(request.app.state.chat)
-    if body.stream:
-        prep = await service.prepare(run, body, ref)
-        stream = service.stream(prep)
-        await stream.open()
-        return event_stream(sse(stream.chunks()), prep.placement.episode_id)
-    resp = await service.create(run, body, ref)
-    if resp.episode_id is not None:
-        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
-    return resp
+    return await answer(service, run, body, ref, response, stream=bool(body.stream))

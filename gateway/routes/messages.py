@@ -13,9 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from gateway.agent.messages import MessagesService
 from gateway.agent.route import AgentRoute
-from gateway.agent.sse import event_stream, sse_events
+from gateway.agent.sse import answer
 from gateway.deps import EpisodeRefDep, RunDep, check_request
-from gateway.identifiers import header_value
 from gateway.protocol_messages import (
     CountTokensRequest,
     MessageResponse,
@@ -42,13 +41,7 @@ async def create_message(
     response: Response,
 ) -> MessageResponse | StreamingResponse:
     check_request(run, body, "messages")
-    if body.stream:
-        stream = await service.start_stream(run, body, ref)
-        return event_stream(sse_events(stream.events()), stream.episode_id)
-    resp = await service.create(run, body, ref)
-    if resp.episode_id is not None:
-        response.headers["X-Rlgate-Episode-Id"] = header_value(resp.episode_id)
-    return resp
+    return await answer(service, run, body, ref, response, stream=bool(body.stream))
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount)

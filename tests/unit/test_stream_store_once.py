@@ -8,7 +8,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.agent.streaming import BackendStream
+from gateway.agent.streaming import SampleStream
 from inference.types import GenerateResult
 
 
@@ -37,7 +37,9 @@ class _Chat:
         self.waiting = asyncio.Event()
 
     def completion_row(self, prep, completion_id, choice, result):
-        return SimpleNamespace(id=completion_id, finish_reason=result.finish_reason)
+        return SimpleNamespace(
+            id=completion_id, finish_reason=result.finish_reason, tool_calls=None
+        )
 
     async def store(self, rows, group_id) -> None:
         self.stores.append(rows)
@@ -46,33 +48,29 @@ class _Chat:
             await asyncio.sleep(3600)  # the commit in flight
 
 
-class _Final(BackendStream):
-    async def _chunks(self):
-        async for _ in self.tokens():
-            yield {"delta": "x"}
-        await self._store(await self.stream.result())
-        yield {"finish_reason": "stop"}
-
-
 def _prep() -> SimpleNamespace:
     backend = SimpleNamespace(start_stream=lambda request: _Stream())
     return SimpleNamespace(
-        serving=SimpleNamespace(backend=backend),
+        serving=SimpleNamespace(
+            backend=backend, template=SimpleNamespace(decode=lambda ids: "x" * len(ids))
+        ),
         prompt_ids=[1, 2],
-        params=None,
+        params=SimpleNamespace(stop=()),
         placement=SimpleNamespace(episode_id="ep-1", group_id=None),
-        req=SimpleNamespace(stream_options=None),
+        reasoning=False,
+        think_open=False,
+        tool_parser=None,
     )
 
 
 def test_a_client_gone_during_the_final_store_stores_once() -> None:
     async def go() -> list:
         chat = _Chat()
-        stream = _Final(chat, _prep(), "cmpl-1")
+        stream = SampleStream(chat, _prep(), "cmpl-1")
         await stream.open()
 
         async def consume() -> None:
-            async for _ in stream.chunks():
+            async for _ in stream.events():
                 pass
 
         task = asyncio.create_task(consume())

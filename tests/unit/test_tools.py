@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.agent.completions import ChatService, Prepared, finish_reason
+from gateway.agent.completions import ChatService, Prepared
+from gateway.agent.encoders.chat import finish_reason
 from gateway.agent.episodes import Placement
-from gateway.protocol import ChatCompletionRequest
 from inference.chat_template import ChatTemplate
 from inference.tool_parsers import get_parser, parse_hermes
 from inference.tool_prompt import history_as_text, with_tools
@@ -86,18 +86,10 @@ def test_history_tool_calls_and_results_become_text() -> None:
 
 def test_a_sampled_tool_call_is_parsed_into_the_row(tiny_model_dir) -> None:
     template = ChatTemplate(tiny_model_dir)
-    req = ChatCompletionRequest.model_validate(
-        {
-            "model": "m",
-            "messages": [{"role": "user", "content": "add"}],
-            "tools": [ADD],
-        }
-    )
     sampled = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     ids = [*template.encode(sampled), template.stop_token_ids[-1]]
     prep = Prepared(
         run=SimpleNamespace(id="run_x"),
-        req=req,
         serving=SimpleNamespace(template=template),
         messages=[{"role": "user", "content": "add"}],
         placement=Placement("ep", None, "new", None),

@@ -1,0 +1,1 @@
+"""Each API family's wire format, encoded from the sampling core's typed events."""
