@@ -109,3 +109,36 @@ def test_the_walk_sees_lazy_relative_and_type_checking_imports() -> None:
     }
     package = {name for _, name in imported_names("from . import db", "core.store", True)}
     assert package == {"core.store.db"}
+
+
+def _imports_of(path: Path) -> set[str]:
+    return {name for _, name in imported_names(path.read_text(), module_name(path), False)}
+
+
+def test_routers_import_no_other_router() -> None:
+    bad = [
+        f"{path.name} imports {name}"
+        for path in sorted((ROOT / "gateway/routes").glob("*.py"))
+        for name in _imports_of(path)
+        if _under(name, "gateway.routes")
+    ]
+    assert bad == []
+
+
+def test_the_store_and_the_batch_policy_know_no_web_framework() -> None:
+    """The store answers queries; which episodes train is a pure function of a snapshot."""
+    web = ("fastapi", "starlette")
+    for path in sorted((ROOT / "core/store").rglob("*.py")):
+        assert not any(name.split(".")[0] in web for name in _imports_of(path)), path
+    policy = _imports_of(ROOT / "gateway/control/batch_policy.py")
+    assert not any(name.split(".")[0] in (*web, "sqlalchemy") for name in policy), policy
+    # at run time only the status enums; the snapshot and run config types are annotations
+    pure = ("core.store.status", "core.store.episodes.EpisodeSnapshot", "trainer.config.RunConfig")
+    ours = {name for name in policy if name.split(".")[0] in OURS}
+    assert all(any(_under(name, ok) for ok in pure) for name in ours), ours
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "agents_sdk").rglob("*.py")), ids=lambda p: p.name)
+def test_the_sdk_imports_only_openai_httpx_and_itself(path: Path) -> None:
+    ours = {name for name in _imports_of(path) if name.split(".")[0] in OURS}
+    assert all(_under(name, "agents_sdk") for name in ours), ours
