@@ -5,8 +5,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +24,11 @@ from core.config import (
 logger = logging.getLogger(__name__)
 
 DEV_ADMIN_KEY = "rlgate-dev-admin-key"
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Section = TypeVar("_Section", bound="DataclassInstance")
 
 
 def available_cores() -> int:
@@ -301,13 +307,20 @@ class Settings(BaseSettings):
         """What the gateway presents to inference servers and the trainer's weight server."""
         return ServerCredentials(self.inference_api_key, self.weight_sync_secret)
 
+    def _section(self, cls: type[_Section], prefix: str, **values: Any) -> _Section:
+        """The dataclass `cls` filled from the settings named `prefix` + its field names.
+
+        A field without such a setting keeps the dataclass's default; `values` set the
+        fields whose setting needs converting (another unit) or has another name.
+        """
+        names = {f.name for f in fields(cls)} - values.keys()
+        found = {
+            n: getattr(self, prefix + n) for n in names if prefix + n in type(self).model_fields
+        }
+        return cls(**found, **values)
+
     def replica_config(self) -> ReplicaConfig:
-        return ReplicaConfig(
-            health_interval_s=self.replica_health_interval_s,
-            max_attempts=self.replica_max_attempts,
-            sticky_slack=self.replica_sticky_slack,
-            drain_timeout_s=self.replica_drain_timeout_s,
-        )
+        return self._section(ReplicaConfig, "replica_")
 
     def check_workers(self) -> None:
         """Several gateway processes share one store: it must be a database server."""
@@ -320,15 +333,8 @@ class Settings(BaseSettings):
             )
 
     def overload(self) -> OverloadConfig:
-        return OverloadConfig(
-            max_inflight=self.overload_max_inflight,
-            min_inflight=self.overload_min_inflight,
-            max_inflight_per_run=self.overload_max_inflight_per_run,
-            max_inflight_per_backend=self.overload_max_inflight_per_backend,
-            max_queue=self.overload_max_queue,
-            queue_timeout_s=self.overload_queue_timeout_s,
-            lag_target_s=self.overload_lag_target_ms / 1000,
-            run_share=self.overload_run_share,
+        return self._section(
+            OverloadConfig, "overload_", lag_target_s=self.overload_lag_target_ms / 1000
         )
 
     def metrics_sinks(self) -> MetricsSinkConfig:
