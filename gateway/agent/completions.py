@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.lineage import Lineage
@@ -31,7 +34,7 @@ from gateway.agent.episodes import (
 )
 from gateway.control.admission import Admission, run_unavailable
 from gateway.control.backends import BackendPool, RunServing
-from gateway.errors import InvalidRequest, Unavailable, backend_failure
+from gateway.errors import APIError, InvalidRequest, Unavailable, backend_failure
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from inference import registry
 from inference.backend import BackendError
@@ -404,6 +407,37 @@ def check_supported(req: ChatCompletionRequest) -> None:
             "the local backend has none",
             param="response_format",
         )
+
+
+def translated_request(
+    body: dict[str, Any], names: dict[str, str], messages: dict[str, str] | None = None
+) -> ChatCompletionRequest:
+    """The chat request another API family's call becomes (`None` values left out).
+
+    A field the chat request refuses is named as that family names it (`names`: chat
+    field to theirs); `messages` words the error for some of their fields.
+    """
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = names.get(loc[0], loc[0]) if loc else None
+        msg = (messages or {}).get(param or "", err.get("msg"))
+        raise InvalidRequest(f"{param}: {msg}", param=param, code="invalid_value") from exc
+
+
+@contextlib.contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """Errors the chat service raises name chat fields; another family's caller knows
+    them by that family's names (`names`: chat field to theirs)."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = names.get(exc.param or "", exc.param)
+        raise
 
 
 def new_chat_id() -> str:

@@ -32,14 +32,18 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from core.store.models import Run
-from gateway.agent.completions import ChatService, Prepared
+from gateway.agent.completions import (
+    ChatService,
+    Prepared,
+    params_renamed,
+    translated_request,
+)
 from gateway.agent.encoders.messages import MessageEvents, failure, message_response
 from gateway.agent.episodes import EpisodeRef
 from gateway.agent.events import encoded
@@ -105,12 +109,8 @@ class MessagesService:
     async def prepare(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> Prepared:
         chat = chat_request(req, max_tokens=req.max_tokens)
         think = req.thinking is not None and req.thinking.type != "disabled"
-        try:
+        with params_renamed(CHAT_TO_MESSAGES_PARAM):
             return await self.chat.prepare(run, chat, ref, think=think)
-        except APIError as exc:
-            if exc.param in CHAT_TO_MESSAGES_PARAM:
-                exc.param = CHAT_TO_MESSAGES_PARAM[exc.param]
-            raise
 
 
 # --- request translation -------------------------------------------------------------------
@@ -160,17 +160,7 @@ def chat_request(req: CountTokensRequest, max_tokens: int) -> ChatCompletionRequ
         body["tool_choice"] = _tool_choice(req)
         if req.tool_choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None}
-        )
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
-        param = CHAT_TO_MESSAGES_PARAM.get(loc[0], loc[0]) if loc else None
-        raise InvalidRequest(
-            f"{param}: {err.get('msg')}", param=param, code="invalid_value"
-        ) from exc
+    return translated_request(body, CHAT_TO_MESSAGES_PARAM)
 
 
 def _tool_choice(req: CountTokensRequest) -> Any:
@@ -208,6 +198,13 @@ def _block_text(block: dict[str, Any], at: str) -> str:
     return block["text"]
 
 
+def _typed_blocks(blocks: list[Any], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(where, type, block) of each block, a refused or untyped one refused here."""
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        yield at, _block_type(block, at), block
+
+
 def _text_of(content: Any, where: str) -> str:
     """Text from a string or a list of text blocks (a system prompt, a tool result)."""
     if isinstance(content, str):
@@ -215,22 +212,16 @@ def _text_of(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}: expected a string or a list of blocks", param=where)
     parts = []
-    for j, block in enumerate(content):
-        kind = _block_type(block, f"{where}[{j}]")
+    for at, kind, block in _typed_blocks(content, where):
         if kind != "text":
-            raise InvalidRequest(
-                f"{where}[{j}]: only text blocks are allowed here, not {kind!r}",
-                param=f"{where}[{j}]",
-            )
-        parts.append(_block_text(block, f"{where}[{j}]"))
+            raise InvalidRequest(f"{at}: only text blocks are allowed here, not {kind!r}", param=at)
+        parts.append(_block_text(block, at))
     return "".join(parts)
 
 
 def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     tools, text = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
             text.append(_block_text(block, at))
         elif kind == "tool_result":
@@ -246,9 +237,7 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
 
 def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     text, calls = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
             text.append(_block_text(block, at))
         elif kind == "tool_use":

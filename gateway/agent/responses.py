@@ -22,9 +22,8 @@ as `response.reasoning_text.delta` events, and counts its thinking in
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.models import Run
 from core.store.responses import StoredResponse
-from gateway.agent.completions import ChatService, new_chat_id
+from gateway.agent.completions import (
+    ChatService,
+    new_chat_id,
+    params_renamed,
+    translated_request,
+)
 from gateway.agent.encoders.chat import finish_reason
 from gateway.agent.encoders.responses import (
     ResponseEvents,
@@ -47,7 +51,7 @@ from gateway.agent.episodes import EpisodeRef
 from gateway.agent.events import Done
 from gateway.agent.sse import event_stream, sse_events
 from gateway.agent.streaming import SampleStream
-from gateway.errors import APIError, InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol_responses import (
     FunctionCallItem,
@@ -80,7 +84,7 @@ class ResponsesService:
 
     async def create(self, run: Run, req: ResponsesRequest, ref: EpisodeRef) -> ResponsesResponse:
         conv = await self.conversation(run, req)
-        with chat_params_renamed():
+        with params_renamed(CHAT_TO_RESPONSES_PARAM):
             prep = await self.chat.prepare(run, conv.chat, ref)
             rows, _ = await self.chat.sample(prep, new_chat_id())
         row = rows[0]
@@ -95,7 +99,7 @@ class ResponsesService:
     ) -> StreamingResponse:
         """Every client error, and a backend full or down, is raised before the first event."""
         conv = await self.conversation(run, req)
-        with chat_params_renamed():
+        with params_renamed(CHAT_TO_RESPONSES_PARAM):
             prep = await self.chat.prepare(run, conv.chat, ref)
         stream = SampleStream(self.chat, prep, new_chat_id())
         await stream.open()
@@ -165,16 +169,9 @@ class ResponsesService:
             "tool_choice": chat_tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
         }
-        try:
-            chat = ChatCompletionRequest.model_validate(
-                {k: v for k, v in body.items() if v is not None}
-            )
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = [str(p) for p in err.get("loc", ())]
-            param = CHAT_TO_RESPONSES_PARAM.get(loc[0], loc[0]) if loc else None
-            msg = "at least one item is needed" if param == "input" else err.get("msg")
-            raise InvalidRequest(f"{param}: {msg}", param=param, code="invalid_value") from exc
+        chat = translated_request(
+            body, CHAT_TO_RESPONSES_PARAM, {"input": "at least one item is needed"}
+        )
         stored = [*history, *(item.model_dump(exclude_none=True) for item in items[len(history) :])]
         return Conversation(stored, chat)
 
@@ -263,16 +260,6 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
         "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
         param="tool_choice",
     )
-
-
-@contextlib.contextmanager
-def chat_params_renamed() -> Iterator[None]:
-    """Errors the chat service raises name chat fields; a Responses caller knows other names."""
-    try:
-        yield
-    except APIError as exc:
-        exc.param = CHAT_TO_RESPONSES_PARAM.get(exc.param or "", exc.param)
-        raise
 
 
 def _first_error(exc: Exception) -> str:
