@@ -123,14 +123,7 @@ class RewardService:
             # Late: the episode is already queued, trained or dropped. Stored, not trained.
             bump_counter(await s.get_one(Run, run.id), "late_rewards")
         await s.flush()
-        return RewardAck(
-            id=row.id,
-            run_id=run.id,
-            completion_id=body.completion_id,
-            episode_id=episode_id,
-            reward=body.reward,
-            episode_status=episode.status,
-        )
+        return _ack(row, episode.status)
 
     async def _replay(self, run: Run, body: RewardRequest, key: str) -> RewardAck | None:
         async with self.sessions() as s:
@@ -149,15 +142,20 @@ class RewardService:
                     code="idempotency_conflict",
                 )
             episode = await s.get(Episode, (run.id, prior.episode_id))
-            return RewardAck(
-                id=prior.id,
-                run_id=run.id,
-                completion_id=prior.completion_id,
-                episode_id=prior.episode_id,
-                reward=prior.value,
-                episode_status=episode.status if episode else "unknown",
-                duplicate=True,
-            )
+            return _ack(prior, episode.status if episode else "unknown", duplicate=True)
+
+
+def _ack(row: Reward, episode_status: str, duplicate: bool = False) -> RewardAck:
+    """The acknowledgement of a stored reward: the same for its first post and a replay."""
+    return RewardAck(
+        id=row.id,
+        run_id=row.run_id,
+        completion_id=row.completion_id,
+        episode_id=row.episode_id,
+        reward=row.value,
+        episode_status=episode_status,
+        duplicate=duplicate,
+    )
 
 
 def _ack_of(acks: list[RewardAck | None], i: int, first: int) -> RewardAck:
