@@ -104,13 +104,13 @@ def mode_body(mode: str, output_tokens: int) -> dict[str, Any]:
     return {"prompt": PROMPT, "max_tokens": output_tokens, "stream": mode == "stream"}
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}) before {url} answered")
+            raise RuntimeError(f"{proc.args!r} exited ({proc.returncode}) before {url} answered")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code < 500:
                 return

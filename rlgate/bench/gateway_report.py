@@ -136,7 +136,7 @@ def figure_lines(out: dict[str, Any]) -> list[str]:
         if "baseline" in out[mode]:
             others["baseline"] = out[mode]["baseline"]
         for label, other in others.items():
-            figures = ", ".join(f"{k} {v}" for k, v in other.items())
-            lines.append(f"{mode} {label}: {figures}")
+            text = ", ".join(f"{k} {v}" for k, v in other.items())
+            lines.append(f"{mode} {label}: {text}")
     lines.append(f"rlgate answered {out['rlgate_answered']} (2xx), stored {out['rlgate_stored']}")
     return lines

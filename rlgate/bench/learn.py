@@ -72,7 +72,14 @@ class LearnConfig:
             raise ValueError(f"--budget must be a multiple of {self.completions_per_step}")
 
     def shared(self) -> dict[str, Any]:
-        keys = ("model", "budget", "learning_rate", "clip", "group_size", "completions_per_step")
+        keys: tuple[str, ...] = (
+            "model",
+            "budget",
+            "learning_rate",
+            "clip",
+            "group_size",
+            "completions_per_step",
+        )
         keys += ("micro_batch", "max_tokens", "temperature", "groups_in_flight", "eval_samples")
         return {k: getattr(self, k) for k in keys} | {"beta": 0.0, "eval_seed": EVAL_SEED}
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import openai
@@ -38,6 +38,8 @@ from rlgate.learn_task import Problem, messages, score, train_order
 from rlgate.stack import embedded_stack
 
 if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
     from rlgate.bench.learn import LearnConfig
 
 QUIET_POLLS = 5  # one second apart: well past the scheduler's full scan (2 s by default)
@@ -144,7 +146,7 @@ async def _group(
         async with client:
             resp = await client.chat.completions.create(
                 model=run["name"],
-                messages=messages(problem),
+                messages=cast("list[ChatCompletionMessageParam]", messages(problem)),
                 max_tokens=cfg.max_tokens,
                 temperature=cfg.temperature,
             )

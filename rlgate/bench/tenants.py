@@ -28,12 +28,17 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlgate.bench import dirs as bench_dirs
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 ADMIN_KEY = "bench-tenants-admin-key"
-PROMPT = [{"role": "user", "content": "Pick a number from 1 to 5."}]
+PROMPT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Pick a number from 1 to 5."}
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rlgate.bench.dirs import add_dir_arguments, model_cache, work_dir
 
@@ -93,7 +93,7 @@ def bench_train(
     engine = FsdpEngine(model_dir, 0, cfg, base)
     try:
         samples = synthetic_samples(
-            n_samples, min_len, max_len, engine.policy.lm.config.vocab_size, seed
+            n_samples, min_len, max_len, cast(Any, engine.policy.lm).config.vocab_size, seed
         )
         tokens = sum(len(s.input_ids) for s in samples)
         modes = {"packed": True, "padded": False}

@@ -217,7 +217,7 @@ def bench_step_ratio(model_dir: Path, work: Path, threads: int, repeats: int) ->
         trainer.train_step(RUN_ID, step)
         worker_s.append(time.perf_counter() - t0)
         with trainer.sessions() as s:
-            engine_s.append(float(s.get(TrainStep, (RUN_ID, step)).metrics["train_seconds"]))
+            engine_s.append(float(s.get_one(TrainStep, (RUN_ID, step)).metrics["train_seconds"]))
         t0 = time.perf_counter()
         bare.step(samples)
         bare_s.append(time.perf_counter() - t0)
