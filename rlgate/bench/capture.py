@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from rlgate.seed_rows import synthetic_row
+
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
@@ -49,31 +51,6 @@ def fresh_database(url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def synthetic_row(run_id: str, episode_id: str, parent_id: str | None, rng: random.Random):
-    from core.store.models import Completion
-    from gateway.agent.episodes import conversation_hash
-
-    n_prompt, n_out = rng.randint(100, 400), rng.randint(16, 128)
-    messages = [{"role": "user", "content": f"task {rng.random()}"}]
-    return Completion(
-        id="chatcmpl-" + uuid.uuid4().hex,
-        run_id=run_id,
-        episode_id=episode_id,
-        parent_id=parent_id,
-        messages=messages,
-        prompt_token_ids=[rng.randrange(50000) for _ in range(n_prompt)],
-        output_token_ids=[rng.randrange(50000) for _ in range(n_out)],
-        output_logprobs=[-rng.uniform(0.0, 8.0) for _ in range(n_out)],
-        content="x" * (4 * n_out),
-        finish_reason="stop",
-        temperature=1.0,
-        policy_version=0,
-        conv_hash=conversation_hash([*messages, {"role": "assistant", "content": str(rng)}]),
-        prompt_hash=conversation_hash(messages),
-        link="new" if parent_id is None else "prefix",
-    )
 
 
 async def _mode(url: str, batched: bool, agents: int, turns: int, seconds: float) -> dict:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlgate.bench.train_step import StepShape, seed_store
+from rlgate.seed_rows import StepShape, seed_store
 
 
 def bench_fsdp_step_ratio(

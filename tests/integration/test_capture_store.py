@@ -24,8 +24,8 @@ from core.store.db import make_async_engine, make_call_engine
 from core.store.models import Completion, Episode, Reward, Run
 from core.store.status import EpisodeStatus
 from gateway.agent.capture import CaptureWriter
+from rlgate.seed_rows import synthetic_row
 from tests.integration.conftest import migrated_store
-from tests.store_rows import synthetic_row
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """Resident FSDP ranks through the worker's own `Trainer` (real torchrun ranks, gloo, tiny model).
 
-The store is a SQLite file seeded with queued steps (`tests.store_rows.seed_store`,
+The store is a SQLite file seeded with queued steps (`rlgate.seed_rows.seed_store`,
 the bench's), and `Trainer.train_step` is what the Celery task calls. Each test looks at
 the rank processes themselves (/proc), not only at what the trainer says about them.
 """
@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 from core.settings import Settings
 from core.store.models import PolicyVersion, Run, TrainStep
 from core.store.status import StepStatus
+from rlgate.seed_rows import StepShape, seed_store
 from tests.procs import alive
-from tests.store_rows import StepShape, seed_store
 from trainer.config import RunConfig
 from trainer.tasks import Trainer
 

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from core.lifeline import child_env
 from core.settings import Settings
+from rlgate.seed_rows import StepShape, seed_store
 from rlgate.stack import free_port, settings_env, start_worker, stop
 from tests.procs import alive, children_of
-from tests.store_rows import StepShape, seed_store
 from trainer.config import RunConfig
 from trainer.tasks import Trainer
 

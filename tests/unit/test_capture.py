@@ -15,8 +15,8 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from core.store.db import make_async_engine
 from gateway.agent.capture import CaptureWriter
 from gateway.errors import Unavailable
+from rlgate.seed_rows import synthetic_row
 from rlgate.stack import free_port
-from tests.store_rows import synthetic_row
 
 
 def test_database_outage_is_a_retryable_503_for_every_request_of_the_batch() -> None:

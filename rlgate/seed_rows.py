@@ -1,4 +1,4 @@
-"""Store rows for tests: synthetic completions, and a run seeded with queued train steps.
+"""Synthetic store rows for the benches and the tests: completions, and a run seeded with steps.
 
 `seed_store` fills a store the way a run's finished, rewarded groups do (one
 prompt per group, mixed rewards so every group trains), without a gateway;
