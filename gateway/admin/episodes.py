@@ -21,6 +21,7 @@ from core.store.episodes import episode_page, episode_reward_posts, episode_shap
 from core.store.models import Completion, Episode, Run, as_utc
 from core.store.status import EpisodeStatus
 from gateway.admin import group_advantages
+from gateway.admin.rows import from_row
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol_admin import (
     CompletionDetail,
@@ -174,12 +175,10 @@ async def _summaries(
 def _summary(
     ep: Episode, turns: int, versions: list[int], sampled_tokens: int = 0, drift: bool = False
 ) -> EpisodeSummary:
-    return EpisodeSummary(
+    return from_row(
+        EpisodeSummary,
+        ep,
         episode_id=ep.id,
-        group_id=ep.group_id,
-        status=ep.status,
-        reward=ep.reward,
-        train_step=ep.train_step,
         turns=turns,
         versions=versions,
         created_at=as_utc(ep.created_at).isoformat(),
@@ -191,20 +190,12 @@ def _summary(
 def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetail:
     prompt_text = _pieces(tokenizer, c.prompt_token_ids)
     output_text = _pieces(tokenizer, c.output_token_ids)
-    return CompletionDetail(
+    return from_row(
+        CompletionDetail,
+        c,
         completion_id=c.id,
-        parent_id=c.parent_id,
-        messages=c.messages,
-        content=c.content,
-        tool_calls=c.tool_calls,
-        finish_reason=c.finish_reason,
-        policy_version=c.policy_version,
-        reward=c.reward,
         drift=bool(c.drift),
         spliced=bool(c.spliced),
-        prompt_token_ids=c.prompt_token_ids,
-        output_token_ids=c.output_token_ids,
-        output_logprobs=c.output_logprobs,
         loss_mask=[0] * len(c.prompt_token_ids) + [1] * len(c.output_token_ids),
         prompt_tokens=[
             TokenView(id=i, text=t, trained=False)

@@ -15,6 +15,7 @@ from core.store.models import ApiKey, PolicyVersion, Run, RunReplica
 from core.store.replicas import replica_urls
 from core.store.runs import list_runs
 from core.store.steps import run_steps
+from gateway.admin.rows import from_row
 from gateway.control.backends import BackendPool
 from gateway.control.run_replicas import normalize_url, public_replicas
 from gateway.errors import Conflict, InvalidRequest, NotFound
@@ -104,20 +105,16 @@ class RunService:
         async with self.sessions() as s:
             links, drift = await call_stats(s, run.id)
             urls = await replica_urls(s, run.id)
-        return RunPublic(
-            calls_by_link=links,
-            template_drift=drift,
+        return from_row(
+            RunPublic,
+            run,
             run_id=run.id,
-            name=run.name,
-            model=run.model,
-            backend=run.backend,
-            status=run.status,
             base_url=base_url,
-            current_version=run.current_version,
             served_version=serving.backend.version if serving else None,
             replicas=public_replicas(urls, self.pool.replica_status(run.id)),
-            config=run.config,
             counters=run.counters or {},
+            calls_by_link=links,
+            template_drift=drift,
             created_at=run.created_at.isoformat(),
         )
 
