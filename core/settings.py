@@ -352,10 +352,5 @@ class Settings(BaseSettings):
         return NodeSpec(self.nnodes, self.node_rank, self.rdzv_endpoint)
 
     def queue(self) -> QueueConfig:
-        return QueueConfig(
-            broker_url=self.broker_url,
-            result_backend=self.result_backend,
-            data_dir=self.data_dir,
-            queue_name=self.queue_name,
-            step_timeout_s=self.step_timeout_s,
-        )
+        """The queue's fields are settings of the same names."""
+        return QueueConfig.model_validate(self, from_attributes=True)

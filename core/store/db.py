@@ -116,7 +116,13 @@ def make_call_engine(
     """
     if make_url(url).get_backend_name() != "postgresql":
         return None
-    return make_async_engine(url, pool_size, synchronous_commit=synchronous_commit, autocommit=True)
+    return make_async_engine(
+        url,
+        pool_size,
+        synchronous_commit=synchronous_commit,
+        autocommit=True,
+        ping_after_idle_s=ping_after_idle_s,
+    )
 
 
 def _no_flush_wait(dbapi_connection, record) -> None:

@@ -21,7 +21,6 @@ from core.store.episodes import episode_page, episode_reward_posts, episode_shap
 from core.store.models import Completion, Episode, Run, as_utc
 from core.store.status import EpisodeStatus
 from gateway.admin import group_advantages
-from gateway.admin.rows import from_row
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol_admin import (
     CompletionDetail,
@@ -31,6 +30,7 @@ from gateway.protocol_admin import (
     GroupDetail,
     TokenView,
 )
+from gateway.rows import from_row
 from trainer.config import RunConfig
 
 

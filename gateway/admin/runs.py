@@ -15,12 +15,12 @@ from core.store.models import ApiKey, PolicyVersion, Run, RunReplica
 from core.store.replicas import replica_urls
 from core.store.runs import list_runs
 from core.store.steps import run_steps
-from gateway.admin.rows import from_row
 from gateway.control.backends import BackendPool
 from gateway.control.run_replicas import normalize_url, public_replicas
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
+from gateway.rows import from_row
 from inference import registry
 from inference.lora import missing_lora_targets
 from inference.models import resolve_model

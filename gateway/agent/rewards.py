@@ -12,6 +12,7 @@ from core.store.runs import bump_counter
 from core.store.status import PENDING_EPISODE
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.protocol import RewardAck, RewardRequest
+from gateway.rows import from_row
 from trainer.config import RunConfig
 
 
@@ -147,14 +148,8 @@ class RewardService:
 
 def _ack(row: Reward, episode_status: str, duplicate: bool = False) -> RewardAck:
     """The acknowledgement of a stored reward: the same for its first post and a replay."""
-    return RewardAck(
-        id=row.id,
-        run_id=row.run_id,
-        completion_id=row.completion_id,
-        episode_id=row.episode_id,
-        reward=row.value,
-        episode_status=episode_status,
-        duplicate=duplicate,
+    return from_row(
+        RewardAck, row, reward=row.value, episode_status=episode_status, duplicate=duplicate
     )
 
 

@@ -1,4 +1,4 @@
-"""Admin API models built from store rows: same-named columns copy, the rest is given."""
+"""API models built from store rows: same-named columns copy, the rest is given."""
 
 from __future__ import annotations
 
