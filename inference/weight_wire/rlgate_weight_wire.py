@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -97,8 +97,9 @@ def open_store(host: str, receivers: int, version: int, timeout_s: float) -> tup
     return store, rdv
 
 
-def _group(store: dist.Store, rdv: Rendezvous, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    opts = dist.ProcessGroupGloo._Options()
+def _group(store: dist.Store, rdv: Rendezvous, rank: int, timeout_s: float) -> Any:
+    # gloo's options class is private in torch's stubs; the constructor is the public way in
+    opts = cast(Any, dist.ProcessGroupGloo)._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     bind = rdv.host if rank == 0 else local_address(rdv.host)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
@@ -155,10 +156,10 @@ def pack(state: Mapping[str, torch.Tensor], into: Packed | None = None) -> Packe
     layout is the same (fresh pages cost more than the copy itself).
     """
     buckets = plan(state)
-    reuse = into is not None and into.buckets == buckets
+    old = into.bufs if into is not None and into.buckets == buckets else None
     bufs = []
     for i, bucket in enumerate(buckets):
-        buf = into.bufs[i] if reuse else torch.empty(bucket["nbytes"], dtype=torch.uint8)
+        buf = old[i] if old is not None else torch.empty(bucket["nbytes"], dtype=torch.uint8)
         for name, _, _, offset, nbytes in bucket["tensors"]:
             src = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
             buf[offset : offset + nbytes].copy_(src)
@@ -249,7 +250,7 @@ def join_named_group(rdv: Rendezvous, rank: int, backend: str, timeout_s: float)
         [],
         Backend(backend),
         store,
-        group_name=rdv.group_name,
+        group_name=cast(Any, rdv.group_name),  # a str at run time; GroupName is a NewType
         **{options: None},
         timeout=timeout,
     )

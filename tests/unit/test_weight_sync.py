@@ -24,8 +24,8 @@ from inference.vllm_http import VLLMBackend
 from inference.weight_source import WIRE_DIR, CollectiveSource, offer_path, weights_source
 from inference.weight_wire import rlgate_weight_wire as wire
 from trainer.config import RunConfig
-from trainer.weight_server import WeightServer, hf_state
 from trainer.weight_publish import StepWeights, save_due
+from trainer.weight_server import WeightServer, hf_state
 
 
 def _state() -> dict[str, torch.Tensor]:
