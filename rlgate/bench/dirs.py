@@ -15,6 +15,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.settings import Settings
 
 
 @contextlib.contextmanager
@@ -53,3 +57,17 @@ def add_dir_arguments(p: argparse.ArgumentParser, work: str | None = None) -> No
             default=None,
             help=f"{work}, kept afterwards (default: a temporary directory, removed at the end)",
         )
+
+
+def stack_settings(work: Path, cache: Path, admin_key: str) -> Settings:
+    """Settings of a bench's embedded stack: its data under `work`, no development key, and
+    a swap loop that looks every 0.2 s so a new version is served without idling."""
+    from core.settings import Settings
+
+    return Settings(
+        data_dir=work / "data",
+        admin_key=admin_key,
+        dev_mode=False,
+        model_cache_dir=cache.resolve(),
+        sync_interval_s=0.2,
+    )

@@ -140,7 +140,6 @@ def bench_e2e(
 ) -> dict[str, Any]:
     import httpx
 
-    from core.settings import Settings
     from inference.models import resolve_model
     from rlgate.stack import embedded_stack
 
@@ -150,13 +149,7 @@ def bench_e2e(
     results = []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(bench_dirs.work_dir("e2e", work_dir))  # removed last
-        settings = Settings(
-            data_dir=tmp / "data",
-            admin_key=ADMIN_KEY,
-            dev_mode=False,
-            model_cache_dir=cache_dir.resolve(),
-            sync_interval_s=0.2,
-        )
+        settings = bench_dirs.stack_settings(tmp, cache_dir, ADMIN_KEY)
         url = stack.enter_context(embedded_stack(settings, "127.0.0.1", 0, tmp / "logs"))
         admin = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120

@@ -91,16 +91,9 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
     """Gateway RSS with one LoRA run served, then with `args.runs` served and one trained."""
     import httpx
 
-    from core.settings import Settings
     from rlgate.stack import stack_processes
 
-    settings = Settings(
-        data_dir=work / "data",
-        admin_key=ADMIN_KEY,
-        dev_mode=False,
-        model_cache_dir=cache.resolve(),
-        sync_interval_s=0.2,
-    )
+    settings = bench_dirs.stack_settings(work, cache, ADMIN_KEY)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     config = {"lora_rank": args.rank, "group_size": 2, "groups_per_step": 1, "micro_batch_size": 2}
     with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as (url, gateway):
