@@ -190,6 +190,20 @@ def summary(
     }
 
 
+def trained_adapter(root: Path) -> Path:
+    """The adapter the trained run wrote for version 1 (an attempt directory of the layout)."""
+    from core.store.checkpoints import CheckpointLayout
+
+    found = [
+        path
+        for path in sorted(root.glob("*/*"))
+        if CheckpointLayout.attempt_version(path) == 1 and any(path.glob("adapter_*"))
+    ]
+    if not found:
+        raise RuntimeError(f"no version 1 checkpoint under {root}")
+    return found[0]
+
+
 def run(args: argparse.Namespace) -> int:
     from inference.models import resolve_model
 
@@ -197,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     base = resolve_model(args.model, cache)
     with bench_dirs.work_dir("tenants", args.work_dir) as work:
         memory = measure_memory(args, base, cache, work)
-        adapter = next((work / "data" / "checkpoints").glob("*/v1"))
+        adapter = trained_adapter(work / "data" / "checkpoints")
         adapters, fulls = asyncio.run(measure_swaps(base, adapter, args.repeats))
         adapter_size = sum(f.stat().st_size for f in adapter.glob("adapter_*"))
     result = summary(args, memory, model_bytes(base), adapter_size, adapters, fulls)
