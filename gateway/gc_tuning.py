@@ -6,7 +6,7 @@ walks every tracked object on each full collection, and its default
 thresholds (700, 10, 10) run a young collection every 700 net allocations, a
 handful of times per request. Under load that walking costs about a third of
 the gateway's CPU; freezing the heap after start-up and raising the thresholds
-gives it back (the gateway bench, docs/benchmarks.md). Reference counting still
+gives it back (the gateway bench, docs/benchmarks/gateway.md). Reference counting still
 frees everything without cycles at once; cycles are collected as before, less
 often.
 
