@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from inference.types import GenerateRequest, GenerateResult
+from inference.types import KEEP, GenerateRequest, GenerateResult, SwapPolicy
 
 if TYPE_CHECKING:
     from inference.swap import WeightsSource
@@ -66,10 +66,11 @@ class Backend(Protocol):
         """Start sampling; tokens arrive through the returned stream as they are sampled."""
         ...
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
-        """Load a checkpoint in place and serve it as `version` from the next request on.
-
-        Requests already generating finish on the weights they started with.
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Load a checkpoint in place and serve it as `version` from the next request on;
+        `policy` says what the requests already generating do (`inference.types.SwapPolicy`).
         """
         ...
 
@@ -105,11 +106,14 @@ class AdapterBackend(Backend, Protocol):
         """The version of adapter `name` now served, or None when it is not loaded."""
         ...
 
-    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+    async def load_adapter(
+        self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
         """Load (or replace in place) adapter `name` from a PEFT adapter directory.
 
         The directory holds `adapter_config.json` and `adapter_model.safetensors`.
-        Requests already generating with the old adapter finish on it.
+        Requests generating with the old adapter go on with the new one (`keep`, each
+        token labelled with its version) or finish on the old one (`drain`).
         """
         ...
 

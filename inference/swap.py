@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from inference.backend import Backend
+from inference.types import KEEP, SwapPolicy
 from inference.weight_source import CollectiveSource
 
 WeightsSource = Path | CollectiveSource  # a checkpoint directory, or the trainer's offer
@@ -36,10 +37,14 @@ class SwapTarget(Protocol):
         """The policy version served now (what a request admitted now will record)."""
         ...
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
         """Load `version` in place and serve it from the next request on.
 
-        Requests already generating finish on the weights they started with.
+        `policy` (`inference.types.SwapPolicy`): `keep`, requests already generating go
+        on with `version` from their next token and record where it began; `drain`, they
+        finish on the weights they started with while new requests wait.
         """
         ...
 
@@ -48,13 +53,16 @@ class Quiescible(SwapTarget, Protocol):
     """`load_weights` in its steps apart, so that several clients of the same servers (other
     gateway processes) can agree on one reload: quiesce, reload or adopt, reopen."""
 
-    def quiesced(self, what: str) -> AbstractAsyncContextManager[None]:
-        """The gate closed and none of this client's requests in flight, until exit."""
+    def quiesced(self, what: str, policy: SwapPolicy = KEEP) -> AbstractAsyncContextManager[None]:
+        """The gate closed until exit; with `drain`, also none of this client's requests in
+        flight (with `keep` they go on and are paused by the server's reload)."""
         ...
 
-    async def reload_quiesced(self, source: WeightsSource, version: int) -> None:
-        """Reload the server(s) behind and label later requests `version`; the caller is
-        quiesced."""
+    async def reload_quiesced(
+        self, source: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Reload the server(s) behind and label later requests (and, with `keep`, the rest
+        of those in flight) `version`; the caller is quiesced with the same `policy`."""
         ...
 
 
@@ -79,20 +87,29 @@ class Swapper(Protocol):
 
     Ordering contract. The trainer commits version N+1 (checkpoint written or
     offered, `runs.current_version` bumped, step done) in one transaction before
-    the swap loop sees it. `swap(source, N+1)` then lets requests already
-    generating finish on N and starts every later one on N+1: each backend
-    kind closes its admission (or queues the swap between batches), loads, and
-    only then bumps the version it labels results with. A stored completion
-    records the version its backend reported, the one that sampled all of its
-    tokens. Between the commit and the swap new completions are still sampled
-    by N (at most one version behind; the staleness bound counts them).
+    the swap loop sees it. `swap(source, N+1, policy)` then serves N+1 to every
+    request admitted after it; the run's `SwapPolicy` says what happens to
+    those already generating:
 
-    A replica set rolls N+1 across its servers one at a time, each draining
-    before it reloads, so until the roll ends completions from different
-    servers may carry N or N+1, each labelled with its own. A LoRA run swaps
-    only its adapter, in the same order; the base and other runs' adapters
-    stay. With several gateway processes on one store the barrier swapper
-    drains every process before one of them reloads each server once.
+    * `keep` (the default): they pause between two tokens while the weights
+      change and go on with N+1; new requests wait only for the reload itself.
+      Every token records the version that sampled it (the result's
+      `version_starts`); a completion's `policy_version` is its oldest token's.
+    * `drain`: new requests wait while those in flight finish on N, then the
+      weights change; every completion is sampled by one version.
+
+    Each backend kind closes its admission for the reload (or, in process,
+    swaps between two decode steps), loads, and only then bumps the version
+    it labels tokens with. Between the commit and the swap new completions are
+    still sampled by N (at most one version behind; the staleness bound counts
+    them).
+
+    A replica set rolls N+1 across its servers one at a time, so until the
+    roll ends completions from different servers may carry N or N+1, each
+    labelled with its own. A LoRA run swaps only its adapter, in the same
+    order; the base and other runs' adapters stay. With several gateway
+    processes on one store the barrier swapper closes every process's gate
+    (and, with `drain`, drains it) before one of them reloads each server once.
     """
 
     @property
@@ -104,7 +121,7 @@ class Swapper(Protocol):
         """Before each pass: restore what the next swap relies on (a no-op unless shared)."""
         ...
 
-    async def swap(self, source: WeightsSource, version: int) -> None:
+    async def swap(self, source: WeightsSource, version: int, policy: SwapPolicy = KEEP) -> None:
         """Bring the run to `version` (contract above); raises if a server failed to load."""
         ...
 
@@ -136,8 +153,8 @@ class InPlaceSwap:
     async def check(self) -> None:
         return None
 
-    async def swap(self, source: WeightsSource, version: int) -> None:
-        await self.target.load_weights(source, version)
+    async def swap(self, source: WeightsSource, version: int, policy: SwapPolicy = KEEP) -> None:
+        await self.target.load_weights(source, version, policy)
 
     async def close(self) -> None:
         await self._release()

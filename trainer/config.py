@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from inference.types import SwapPolicy
+
 
 class ParallelConfig(BaseModel):
     """How the FSDP engine shards, casts and batches. Defaults suit CPU (gloo, float32)."""
@@ -167,6 +169,17 @@ class RunConfig(BaseModel):
         description="disk: every version is written and the servers reload it; collective: "
         "the trainer sends it over a process group the servers join (vllm/sglang backends)",
     )
+    swap_mode: Literal["keep", "drain"] = Field(
+        "keep",
+        description="keep: a swap pauses generations between two tokens and they go on with "
+        "the new version (each token records its own); drain: new calls wait while those "
+        "in flight finish on the old version (docs/backends.md)",
+    )
+    swap_clear_kv: bool = Field(
+        True,
+        description="keep: recompute a paused generation's KV cache with the new weights "
+        "(true), or keep the old weights' KV (false: faster, AReaL-style)",
+    )
     save_every_steps: int = Field(
         10,
         ge=1,
@@ -241,6 +254,11 @@ class RunConfig(BaseModel):
             for m in self.lora_target_modules
         ):
             raise ValueError("lora_target_modules takes module names such as 'q_proj'")
+
+    @property
+    def swap_policy(self) -> SwapPolicy:
+        """How the run's hot swaps treat generations in flight (`swap_mode`, `swap_clear_kv`)."""
+        return SwapPolicy(mode=self.swap_mode, clear_kv=self.swap_clear_kv)
 
     @property
     def batch_size(self) -> int:

@@ -14,6 +14,7 @@ from core.store.runs import checkpoint_of
 from gateway.control.backends import BackendPool, RunServing
 from inference import registry
 from inference.weight_source import weights_source
+from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,11 @@ class SwapLoop:
 
     Each pass starts, for every loaded run that has no swap under way, a task
     that reads the run's version and, if the run's `Swapper` is behind, swaps
-    it (`inference.swap.Swapper`, whose docstring holds the ordering contract:
-    the trainer's commit comes first, requests in flight finish on N, later
-    ones start on N+1, a completion records the version that sampled it).
+    it with the run's `swap_mode` and `swap_clear_kv` (`inference.swap.Swapper`,
+    whose docstring holds the ordering contract: the trainer's commit comes
+    first, later requests start on N+1, those in flight either go on with N+1
+    from their next token or finish on N, and every token records the version
+    that sampled it).
 
     Why a task per run: one slow reload (a large model, a server draining a
     long generation, a barrier waiting for the other gateway processes) must
@@ -81,11 +84,12 @@ class SwapLoop:
             target = run.current_version
             ckpt = await checkpoint_of(s, run_id, target)
             remote = registry.get(run.backend).remote
+            policy = RunConfig.model_validate(run.config).swap_policy
         if ckpt is None:
             return
         # a remote run's trainer may offer the version over a collective (weight_sync)
         source = weights_source(Path(ckpt), target) if remote else Path(ckpt)
-        await swapper.swap(source, target)
+        await swapper.swap(source, target, policy)
         if swapper.version < target:
             return  # some server did not load it; tried again on a later pass
         logger.info("run %s now serves version %d", run_id, target)
