@@ -138,9 +138,16 @@ class Completion(Base):
     content: Mapped[str] = mapped_column(Text)
     finish_reason: Mapped[str] = mapped_column(String(20))
     temperature: Mapped[float] = mapped_column(Float)
+    # The oldest version among its tokens (the first token's): the one staleness counts.
     policy_version: Mapped[int] = mapped_column(Integer)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Where each version began when a keep-mode swap happened while it sampled:
+    # [[token index, version], ...] from [0, policy_version] on (`GenerateResult.version_starts`);
+    # null (SQL NULL): every token was sampled by `policy_version`.
+    version_starts: Mapped[list[list[int]] | None] = mapped_column(
+        JSON(none_as_null=True), nullable=True
+    )
     # Hash of messages + this answer: a later call whose history starts with it continues here.
     conv_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
     prompt_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -153,6 +160,27 @@ class Completion(Base):
     # Tool calls parsed from the sampled text (OpenAI's shape); the text stays in the ids.
     tool_calls: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     reasoning_content: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(token index, version) where each version began; one pair when one version."""
+        if self.version_starts:
+            return [(int(i), int(v)) for i, v in self.version_starts]
+        return [(0, self.policy_version)]
+
+    def token_versions(self) -> list[int]:
+        """The version that sampled each output token, in order."""
+        out: list[int] = []
+        spans = self.spans
+        for k, (start, version) in enumerate(spans):
+            end = spans[k + 1][0] if k + 1 < len(spans) else len(self.output_token_ids)
+            out.extend([version] * (end - start))
+        return out
+
+
+def stored_version_starts(starts: tuple[tuple[int, int], ...]) -> list[list[int]] | None:
+    """A result's `version_starts` as the column stores it (None when one version)."""
+    return [[int(i), int(v)] for i, v in starts] or None
 
 
 class Reward(Base):

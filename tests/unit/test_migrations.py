@@ -155,3 +155,79 @@ def test_postgres_upgrade_downgrade_upgrade(pg_schema: str) -> None:
 def test_postgres_migration_matches_the_models(pg_schema: str) -> None:
     upgrade(PG_URL)
     assert _drift(PG_URL) == []
+
+
+# --- completions.version_starts (0009) ----------------------------------------------
+
+
+def _insert_completion(url: str) -> None:
+    """One run, episode and completion, written with the columns 0008 has."""
+    engine = make_sync_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, name, model, model_path, backend, status, config,"
+                    " current_version, counters, created_at) VALUES ('r', 'r', 'm', 'm',"
+                    " 'local', 'active', '{}', 0, '{}', CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO episodes (run_id, id, group_id, status, created_at)"
+                    " VALUES ('r', 'e', 'g', 'open', CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO completions (id, run_id, episode_id, messages, prompt_token_ids,"
+                    " output_token_ids, output_logprobs, content, finish_reason, temperature,"
+                    " policy_version, created_at, spliced, drift) VALUES ('c', 'r', 'e', '[]',"
+                    " :b, :b, :b, '', 'stop', 1.0, 3, CURRENT_TIMESTAMP, false, false)"
+                ),
+                {"b": b""},
+            )
+    finally:
+        engine.dispose()
+
+
+def _version_starts_column(url: str) -> tuple[bool, list]:
+    """Whether completions has version_starts, and its values (None per row without it)."""
+    engine = make_sync_engine(url)
+    try:
+        has = "version_starts" in {c["name"] for c in inspect(engine).get_columns("completions")}
+        with engine.connect() as conn:
+            column = "version_starts" if has else "NULL"
+            rows = conn.execute(text(f"SELECT {column} FROM completions")).all()
+        return has, [r[0] for r in rows]
+    finally:
+        engine.dispose()
+
+
+def _check_version_starts_migration(url: str) -> None:
+    upgrade(url, "0008")
+    _insert_completion(url)
+    upgrade(url, "0009")
+    # a row stored before the column existed reads as one version: SQL NULL
+    assert _version_starts_column(url) == (True, [None])
+    engine = make_sync_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE completions SET version_starts = '[[0, 3], [5, 4]]'"))
+    finally:
+        engine.dispose()
+    has, values = _version_starts_column(url)
+    assert has and values in ([[[0, 3], [5, 4]]], ["[[0, 3], [5, 4]]"])
+    downgrade(url, "0008")
+    assert _version_starts_column(url) == (False, [None])  # the row itself is kept
+    upgrade(url)
+    assert _version_starts_column(url) == (True, [None])
+
+
+def test_sqlite_version_starts_column_keeps_rows(sqlite_url: str) -> None:
+    _check_version_starts_migration(sqlite_url)
+
+
+@pytest.mark.integration
+def test_postgres_version_starts_column_keeps_rows(pg_schema: str) -> None:
+    _check_version_starts_migration(PG_URL)
