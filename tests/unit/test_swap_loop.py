@@ -21,6 +21,7 @@ from gateway.control.scheduler import TrainingScheduler
 from gateway.control.swapper import SwapLoop
 from inference.chat_template import ChatTemplate
 from inference.swap import InPlaceSwap, WeightsSource
+from inference.types import DRAIN, KEEP, SwapPolicy
 from trainer.celery_app import make_celery
 
 
@@ -31,9 +32,13 @@ class HeldTarget:
         self.version = 0
         self.release = release
         self.loads: list[tuple[WeightsSource, int]] = []
+        self.policies: list[SwapPolicy] = []
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
         self.loads.append((checkpoint_dir, version))
+        self.policies.append(policy)
         if self.release is not None:
             await self.release.wait()
         self.version = version
@@ -64,10 +69,20 @@ class CountingScheduler(TrainingScheduler):
 def _seed(url: str, tmp_path: Path) -> None:
     upgrade(url)
     with Session(make_sync_engine(url)) as s, s.begin():
-        for run_id in ("run_slow", "run_fast"):
+        # run_slow swaps with the default policy (keep); run_fast asks for drain
+        for run_id, config in (("run_slow", {}), ("run_fast", {"swap_mode": "drain"})):
             ckpt = tmp_path / run_id / "v1"
             ckpt.mkdir(parents=True)
-            s.add(Run(id=run_id, name=run_id, model="tiny", model_path="/x", current_version=1))
+            s.add(
+                Run(
+                    id=run_id,
+                    name=run_id,
+                    model="tiny",
+                    model_path="/x",
+                    current_version=1,
+                    config=config,
+                )
+            )
             s.flush()
             s.add(PolicyVersion(run_id=run_id, version=1, checkpoint_path=str(ckpt)))
 
@@ -106,6 +121,7 @@ def test_a_slow_reload_delays_neither_another_runs_swap_nor_the_scheduler(
             release.set()
             await _until(lambda: slow.version == 1)
             assert fast.loads == [(tmp_path / "run_fast" / "v1", 1)]
+            assert (slow.policies, fast.policies) == ([KEEP], [DRAIN]), "each run's swap_mode"
         finally:
             for task in tasks:
                 task.cancel()
