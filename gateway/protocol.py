@@ -194,6 +194,8 @@ class Choice(BaseModel):
     # every choice is an episode of its own, all in the response's group).
     completion_id: str | None = None
     episode_id: str | None = None
+    # Where each version began in this choice's tokens (null: one version), as the response's.
+    version_starts: list[list[int]] | None = None
 
 
 class CompletionTokensDetails(BaseModel):
@@ -217,10 +219,13 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     # --- rlgate extensions
     # The episode (n = 1) or group (n > 1) this call was filed under, and the policy
-    # version that sampled it.
+    # version that sampled it (the oldest among its tokens; of the first choice).
     episode_id: str | None = None
     group_id: str | None = None
     policy_version: int | None = None
+    # Where each version began, [[token index, version], ...], when a keep-mode hot swap
+    # happened while the first choice was sampled; null: all by `policy_version`.
+    version_starts: list[list[int]] | None = None
 
 
 class ModelCard(BaseModel):

@@ -69,7 +69,7 @@ class EpisodeSummary(BaseModel):
     reward: float | None
     train_step: int | None
     turns: int
-    versions: list[int]
+    versions: list[int]  # every version that sampled a token of it, ascending
     created_at: str
     sampled_tokens: int = 0  # over all turns
     drift: bool = False  # some turn's prompt drifted from the chat template's rendering
@@ -86,6 +86,7 @@ class TokenView(BaseModel):
     text: str
     logprob: float | None = None  # None for prompt (context) tokens
     trained: bool  # whether the loss was taken on this token
+    version: int | None = None  # the policy version that sampled it; None for prompt tokens
 
 
 class CompletionDetail(BaseModel):
@@ -95,7 +96,11 @@ class CompletionDetail(BaseModel):
     content: str
     tool_calls: list[Any] | None
     finish_reason: str
-    policy_version: int
+    policy_version: int  # the oldest version among its tokens (the first token's)
+    # [[token index, version], ...] where each version began when a keep-mode swap happened
+    # while it was sampled; null: every token by policy_version. `versions`: all of them.
+    version_starts: list[list[int]] | None = None
+    versions: list[int] = []
     reward: float | None
     drift: bool
     spliced: bool

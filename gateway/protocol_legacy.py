@@ -120,3 +120,6 @@ class TextCompletion(BaseModel):
     # `id` is the completion id to reward.
     episode_id: str | None = None
     policy_version: int | None = None
+    # Where each version began, [[token index, version], ...], when a keep-mode hot swap
+    # happened while it was sampled; null: every token by `policy_version` (the oldest).
+    version_starts: list[list[int]] | None = None

@@ -99,6 +99,9 @@ class MessageResponse(BaseModel):
     completion_id: str | None = None
     episode_id: str | None = None
     policy_version: int | None = None
+    # Where each version began, [[token index, version], ...], when a keep-mode hot swap
+    # happened while it was sampled; null: every token by `policy_version` (the oldest).
+    version_starts: list[list[int]] | None = None
 
 
 class TokenCount(BaseModel):

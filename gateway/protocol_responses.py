@@ -265,6 +265,9 @@ class ResponsesResponse(BaseModel):
     # the completion id that holds its tokens (reward by it, or by the episode).
     episode_id: str | None = None
     policy_version: int | None = None
+    # Where each version began, [[token index, version], ...], when a keep-mode hot swap
+    # happened while it was sampled; null: every token by `policy_version` (the oldest).
+    version_starts: list[list[int]] | None = None
     completion_id: str | None = None
 
     def output_text(self) -> str:

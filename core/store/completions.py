@@ -203,19 +203,24 @@ def episode_completions_sync(
 async def turn_stats(
     session: AsyncSession, run_id: str, episode_ids: list[str]
 ) -> dict[str, tuple[int, list[int]]]:
-    """Episode -> (completions, the policy versions that sampled them, ascending)."""
+    """Episode -> (completions, every policy version that sampled a token of them, ascending).
+
+    A completion sampled across a keep-mode swap counts each version in its
+    `version_starts`, not only its `policy_version` (the oldest).
+    """
     if not episode_ids:
         return {}
     rows = await session.execute(
-        select(Completion.episode_id, Completion.policy_version, func.count())
-        .where(Completion.run_id == run_id, Completion.episode_id.in_(episode_ids))
-        .group_by(Completion.episode_id, Completion.policy_version)
+        select(Completion.episode_id, Completion.policy_version, Completion.version_starts).where(
+            Completion.run_id == run_id, Completion.episode_id.in_(episode_ids)
+        )
     )
-    stats: dict[str, tuple[int, list[int]]] = {}
-    for ep_id, version, n in rows.all():
-        turns, versions = stats.get(ep_id, (0, []))
-        stats[ep_id] = (turns + int(n), [*versions, int(version)])
-    return {k: (turns, sorted(versions)) for k, (turns, versions) in stats.items()}
+    turns: dict[str, int] = {}
+    versions: dict[str, set[int]] = {}
+    for ep_id, version, starts in rows.all():
+        turns[ep_id] = turns.get(ep_id, 0) + 1
+        versions.setdefault(ep_id, set()).update([int(version), *(int(v) for _, v in starts or ())])
+    return {k: (n, sorted(versions[k])) for k, n in turns.items()}
 
 
 async def call_stats(session: AsyncSession, run_id: str) -> tuple[dict[str, int], int]:

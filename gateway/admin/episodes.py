@@ -152,7 +152,7 @@ class EpisodeAdmin:
         details = await asyncio.to_thread(
             lambda: [_completion(tokenizer, c, trained) for c in completions]
         )
-        versions = sorted({c.policy_version for c in completions})
+        versions = sorted({v for c in completions for _, v in c.spans})
         sampled = sum(len(c.output_token_ids) for c in completions)
         drift = any(c.drift for c in completions)
         summary = _summary(ep, len(completions), versions, sampled, drift)
@@ -194,6 +194,7 @@ def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetai
         CompletionDetail,
         c,
         completion_id=c.id,
+        versions=[v for _, v in c.spans],
         drift=bool(c.drift),
         spliced=bool(c.spliced),
         loss_mask=[0] * len(c.prompt_token_ids) + [1] * len(c.output_token_ids),
@@ -202,8 +203,10 @@ def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetai
             for i, t in zip(c.prompt_token_ids, prompt_text, strict=True)
         ],
         output_tokens=[
-            TokenView(id=i, text=t, logprob=lp, trained=trained)
-            for i, t, lp in zip(c.output_token_ids, output_text, c.output_logprobs, strict=True)
+            TokenView(id=i, text=t, logprob=lp, trained=trained, version=v)
+            for i, t, lp, v in zip(
+                c.output_token_ids, output_text, c.output_logprobs, c.token_versions(), strict=True
+            )
         ],
         created_at=as_utc(c.created_at).isoformat(),
     )

@@ -9,6 +9,11 @@ that existed when the export started appears exactly once.
 
 Parquet has a fixed schema (`PARQUET_SCHEMA`); `messages` is a JSON string
 there, since chat messages have no single shape an Arrow struct could hold.
+
+A completion's `policy_version` is its oldest token's version; `version_starts`
+says where each later version began when a keep-mode swap happened while it
+was sampled (null when every token is `policy_version`'s), the same in both
+formats.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ COMPLETION_TYPE = pa.struct(
         ("content", pa.string()),
         ("finish_reason", pa.string()),
         ("temperature", pa.float64()),
-        ("policy_version", pa.int64()),
+        ("policy_version", pa.int64()),  # the oldest version among its tokens
+        # [[token index, version], ...] where each version began; null: one version
+        ("version_starts", pa.list_(pa.list_(pa.int64()))),
         ("reward", pa.float64()),
         ("created_at", _TIMESTAMP),
     ]
@@ -94,6 +101,7 @@ def completion_record(c: Completion) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "temperature": c.temperature,
         "policy_version": c.policy_version,
+        "version_starts": c.version_starts,
         "reward": c.reward,
         "created_at": as_utc(c.created_at),
     }

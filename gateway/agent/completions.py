@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.lineage import Lineage
-from core.store.models import Completion, Run
+from core.store.models import Completion, Run, stored_version_starts
 from core.store.runs import checkpoint_of, list_runs
 from gateway.agent.capture import CaptureWriter
 from gateway.agent.encoders.chat import chat_completion
@@ -330,6 +330,7 @@ class ChatService:
             finish_reason=result.finish_reason,
             temperature=prep.params.temperature,
             policy_version=result.policy_version,
+            version_starts=stored_version_starts(result.version_starts),
             tool_calls=calls or None,
             reasoning_content=reasoning,
             conv_hash=conversation_hash([*prep.messages, answer_message(text, calls)]),

@@ -54,7 +54,7 @@ class ChatChunks(OpenAIChunks):
 
     def done(self, row: Completion) -> list[dict[str, Any]]:
         usage = chat_usage([row], self.prep.serving.template.decode)
-        return self.finished(self._chunk({}, finish_reason(row)), usage)
+        return self.finished(self._chunk({}, finish_reason(row)), usage, row)
 
     def _chunk(
         self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
@@ -110,6 +110,7 @@ def chat_completion(
                 finish_reason=finish_reason(row),
                 completion_id=row.id,
                 episode_id=row.episode_id,
+                version_starts=row.version_starts,
             )
         )
     return ChatCompletion(
@@ -121,6 +122,7 @@ def chat_completion(
         episode_id=rows[0].episode_id if len(rows) == 1 else None,
         group_id=group_id,
         policy_version=rows[0].policy_version,
+        version_starts=rows[0].version_starts,
     )
 
 

@@ -84,8 +84,10 @@ class MessageEvents(StreamEncoder[Event]):
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": {"output_tokens": len(row.output_token_ids)},
-            # --- rlgate extension
+            # --- rlgate extensions: the oldest version among its tokens, and where each
+            # version began when a keep-mode swap happened while it was sampled (else null)
             "policy_version": row.policy_version,
+            "version_starts": row.version_starts,
         }
         return [*events, message_delta, {"type": "message_stop"}]
 
@@ -182,4 +184,5 @@ def message_response(req: MessagesRequest, prep: Prepared, row: Completion) -> M
         completion_id=row.id,
         episode_id=row.episode_id,
         policy_version=row.policy_version,
+        version_starts=row.version_starts,
     )

@@ -294,6 +294,7 @@ def final_response(
         ),
         episode_id=row.episode_id,
         policy_version=row.policy_version,
+        version_starts=row.version_starts,
         completion_id=row.id,
     )
 
@@ -308,6 +309,7 @@ def response_object(
     error: ResponseError | None = None,
     episode_id: str | None = None,
     policy_version: int | None = None,
+    version_starts: list[list[int]] | None = None,
     completion_id: str | None = None,
 ) -> ResponsesResponse:
     return ResponsesResponse(
@@ -331,6 +333,7 @@ def response_object(
         metadata=req.metadata or {},
         episode_id=episode_id,
         policy_version=policy_version,
+        version_starts=version_starts,
         completion_id=completion_id,
     )
 

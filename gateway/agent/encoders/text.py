@@ -51,7 +51,7 @@ class TextChunks(OpenAIChunks):
         return [self._chunk(delta.text, self._logprobs(delta.tokens))]
 
     def done(self, row: Completion) -> list[dict[str, Any]]:
-        return self.finished(self._chunk("", finish=finish_reason(row)), text_usage(row))
+        return self.finished(self._chunk("", finish=finish_reason(row)), text_usage(row), row)
 
     def _chunk(
         self, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None
@@ -110,6 +110,7 @@ def text_completion(req: CompletionRequest, prep: Prepared, row: Completion) -> 
         system_fingerprint=f"rlgate-{row.run_id}-v{row.policy_version}",
         episode_id=row.episode_id,
         policy_version=row.policy_version,
+        version_starts=row.version_starts,
     )
 
 
