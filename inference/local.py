@@ -1,27 +1,56 @@
 """In-process transformers backend: one worker thread batches concurrent requests.
 
-Ordering contract for hot swap: `load_weights` is queued behind the batch
-that is generating; that batch finishes on the old weights, the new state
-dict is copied in place, and every later batch reports the new version. A
-completion therefore never mixes tokens from two versions, and the version it
-reports is the one that produced all its tokens.
+One worker thread owns the model. It takes up to `max_batch_size` queued
+requests into a static batch, prefills them left-padded, and decodes them step
+by step with one KV cache; a row leaves when it stops, the batch when every
+row has.
+
+Hot swap, the ordering contract (`inference.types.SwapPolicy`), for the base
+weights (`load_weights`) and for one LoRA adapter (`load_adapter`) alike:
+
+* `keep` (the default): the checkpoint or adapter is read and checked off the
+  model thread; the worker then applies it between two decode steps of the
+  batch that is running (after one step's tokens are sampled and before the
+  next forward), or at once when no batch runs. Every row still generating
+  that the swap concerns (every base-model row for new base weights, the
+  rows of that adapter for an adapter) records a mark (its output length,
+  the new version): the tokens it sampled so far are the old version's, every
+  later one the new version's (`GenerateResult.version_starts`, built by
+  `inference.types.result_with_marks`). New requests wait only for the copy
+  of the weights itself, never for a batch to finish. With `clear_kv` the
+  KV cache of the concerned rows is recomputed by the new weights before the
+  next step (one prefill of prompt + output so far, in the batch's
+  left-padded layout and positions), so every later token is computed
+  entirely by them; other rows' cache is left as it was (another adapter's
+  rows decode bit for bit as without the swap). Without `clear_kv` the rows
+  go on over the cache the old weights computed. A new base also changes
+  what adapter rows compute, so their cache is recomputed too, but their
+  tokens keep their adapter's version.
+* `drain`: `load_weights` is queued behind the running batch, which finishes
+  on the old weights; the state dict is then copied in place and every later
+  batch reports the new version. An adapter is put in the bank at once: a
+  batch routes the adapters of one snapshot taken when it starts, so the
+  running batch finishes on the old adapter without anyone waiting for it.
+  A completion never mixes versions.
+
+A checkpoint that cannot be read or does not fit the model fails its
+`load_weights` before anything is copied: the old weights keep serving and no
+row is marked. Cost of `keep`: the running batch pauses for the in-place copy
+(and, with `clear_kv`, one prefill of the concerned rows); the checkpoint is
+held in memory next to the model until it is copied.
 
 LoRA adapters (`AdapterBackend`): many adapters on the one base model, each
 request naming its own (`GenerateRequest.adapter`); a batch mixes them row by
-row (`inference.lora.AdapterBank`). `load_adapter` reads the adapter off the
-model thread and puts it in the bank at once, without waiting for the batch
-that is generating: a batch takes its adapters from one snapshot when it
-starts, so that batch finishes with the old adapter and the next one serves
-the new (the same contract, one adapter only, and no wait behind another
-run's batch). Only an adapter's first load, which hooks its modules, is
-queued to the model thread like `load_weights`. A row reports its adapter's
-version (the base model's `version` when it names none); a request naming an
-adapter that is not loaded fails alone.
+row (`inference.lora.AdapterBank`). An adapter's first load under `drain`,
+which hooks its modules, is queued to the model thread like `load_weights`.
+A row reports its adapter's version (the base model's `version` when it
+names none); a request naming an adapter that is not loaded fails alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -37,7 +66,15 @@ from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.sampling import sample_row
 from inference.stop_strings import TextStop
 from inference.swap import WeightsSource, weights_dir
-from inference.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from inference.types import (
+    KEEP,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    SwapPolicy,
+    result_with_marks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +118,8 @@ class LocalStream:
 
 @dataclass
 class _Swap:
+    """New base weights under `drain`: applied between two batches."""
+
     checkpoint_dir: Path
     version: int
     future: Future
@@ -94,6 +133,60 @@ class _AddHooks:
     future: Future
 
 
+@dataclass
+class _KeepWeights:
+    """New base weights under `keep`, read and checked already: applied between two steps."""
+
+    state: dict[str, torch.Tensor]
+    version: int
+    clear_kv: bool
+    future: Future
+
+
+@dataclass
+class _KeepAdapter:
+    """A new version of adapter `name` under `keep`: put in the bank between two steps."""
+
+    name: str
+    adapter: Adapter
+    clear_kv: bool
+    future: Future
+
+    @property
+    def version(self) -> int:
+        return self.adapter.version
+
+
+class _Wake:
+    """Queued after a keep swap so that an idle worker applies it at once."""
+
+
+_WAKE = _Wake()
+
+
+@dataclass
+class _Running:
+    """The batch that is decoding, as much of it as a keep swap changes or reads."""
+
+    jobs: list[_Job]
+    rows: list[Adapter | None]  # each row's adapter (None: the base model)
+    marks: list[list[tuple[int, int]]]  # each row's (token index, version) marks
+    out_ids: list[list[int]]
+    finish: list[FinishReason | None]
+
+    def live(self) -> list[int]:
+        """The rows still generating."""
+        return [i for i, f in enumerate(self.finish) if f is None]
+
+    def mark(self, row: int, version: int) -> None:
+        """Row `row`'s next token is sampled by `version`."""
+        last = self.marks[row][-1][1]
+        if version > last:
+            self.marks[row].append((len(self.out_ids[row]), version))
+        elif version < last:
+            logger.warning("swap to version %d under a row at version %d: unmarked", version, last)
+
+
 def _check_compatible(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     """Refuse a checkpoint before copying anything, so a failed swap leaves no mixed weights."""
     missing = sorted(current.keys() - new.keys())
@@ -103,6 +196,21 @@ def _check_compatible(current: dict[str, torch.Tensor], new: dict[str, torch.Ten
     for name, tensor in current.items():
         if new[name].shape != tensor.shape:
             raise BackendError(f"{name}: shape {tuple(new[name].shape)} != {tuple(tensor.shape)}")
+
+
+def _read_checkpoint(
+    checkpoint_dir: Path, model: torch.nn.Module, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, checked to fit `model` (BackendError if it does not)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(checkpoint_dir.glob("*.safetensors")):
+        state.update(load_file(shard, device=str(device)))
+    if not state:
+        raise BackendError(f"no safetensors in {checkpoint_dir}")
+    _check_compatible(model.state_dict(), state)
+    return state
 
 
 class LocalBackend:
@@ -135,7 +243,10 @@ class LocalBackend:
         self._adapters = AdapterBank(self.model)
         self.threads = threads
         self.torch_threads: int | None = None  # what the model thread runs on, once started
-        self._queue: queue.Queue[_Job | _Swap | _AddHooks | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | _Swap | _AddHooks | _Wake | None] = queue.Queue()
+        # keep swaps waiting for the worker's next step (or its next idle moment)
+        self._keep: collections.deque[_KeepWeights | _KeepAdapter] = collections.deque()
+        self._keep_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
         self._closed = False
         self._thread.start()
@@ -158,25 +269,46 @@ class LocalBackend:
             raise BackendError("empty prompt")
         return LocalStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
-        """Swapped between two batches: a batch never mixes versions (`_Swap`)."""
-        swap = _Swap(weights_dir(checkpoint_dir), version, Future())
-        await asyncio.wrap_future(self._submit(swap))
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """`keep`: read off the model thread, copied in between two decode steps; `drain`:
+        read and copied between two batches (the module's ordering contract)."""
+        source = weights_dir(checkpoint_dir)
+        if policy.mode == "drain":
+            await asyncio.wrap_future(self._submit(_Swap(source, version, Future())))
+            return
+        try:
+            state = await asyncio.to_thread(_read_checkpoint, source, self.model, self.device)
+        except Exception as exc:
+            logger.exception("weight load failed")
+            raise BackendError(f"weight load failed: {exc}") from exc
+        keep = _KeepWeights(state, version, policy.clear_kv, Future())
+        await asyncio.wrap_future(self._defer_to_next_step(keep))
 
     def adapter_version(self, name: str) -> int | None:
         return self._adapters.version(name)
 
-    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
+    async def load_adapter(
+        self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Read the adapter off the model thread; `keep`: the worker puts it in the bank and
+        moves that adapter's rows onto it between two steps; `drain`: put in the bank now,
+        the running batch keeps its snapshot."""
         try:
             adapter = await asyncio.to_thread(
                 read_adapter, Path(adapter_dir), self._adapters.linears, version, self.device
             )
         except (AdapterError, OSError) as exc:
             raise BackendError(f"adapter {name!r} not loaded: {exc}") from exc
-        unhooked = self._adapters.unhooked(adapter)
-        if unhooked:
-            await asyncio.wrap_future(self._submit(_AddHooks(unhooked, Future())))
-        self._adapters.put(name, adapter)
+        if policy.mode == "keep":
+            keep = _KeepAdapter(name, adapter, policy.clear_kv, Future())
+            await asyncio.wrap_future(self._defer_to_next_step(keep))
+        else:
+            unhooked = self._adapters.unhooked(adapter)
+            if unhooked:
+                await asyncio.wrap_future(self._submit(_AddHooks(unhooked, Future())))
+            self._adapters.put(name, adapter)
         logger.info(
             "adapter %s now serves version %d (%.1f MB)", name, version, adapter.nbytes / 1e6
         )
@@ -192,9 +324,11 @@ class LocalBackend:
 
     async def close(self) -> None:
         if not self._closed:
-            self._closed = True
+            with self._keep_lock:
+                self._closed = True
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join, 30)
+            self._fail_keep_swaps()
 
     def _submit(self, item: _Job | _Swap | _AddHooks) -> Future:
         if self._closed:
@@ -203,6 +337,22 @@ class LocalBackend:
             raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
         self._queue.put(item)
         return item.future
+
+    def _defer_to_next_step(self, swap: _KeepWeights | _KeepAdapter) -> Future:
+        """Hand a keep swap to the worker: applied after the running step, or at once if idle."""
+        with self._keep_lock:
+            if self._closed:
+                raise BackendError("local backend is closed")
+            self._keep.append(swap)
+        self._queue.put(_WAKE)
+        return swap.future
+
+    def _fail_keep_swaps(self) -> None:
+        with self._keep_lock:
+            left, self._keep = list(self._keep), collections.deque()
+        for swap in left:
+            if swap.future.set_running_or_notify_cancel():
+                swap.future.set_exception(BackendError("local backend is closed"))
 
     # --- worker thread -------------------------------------------------------
 
@@ -213,10 +363,19 @@ class LocalBackend:
             torch.set_num_threads(self.threads)
         self.torch_threads = torch.get_num_threads()
         logger.info("local backend samples on %d torch threads", self.torch_threads)
+        try:
+            self._serve_queue()
+        finally:
+            self._fail_keep_swaps()
+
+    def _serve_queue(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _Wake):
+                self._apply_keep(None)
+                continue
             if not isinstance(item, _Job):
                 self._swap(item)
                 continue
@@ -227,12 +386,14 @@ class LocalBackend:
                     nxt = self._queue.get(timeout=self.batch_wait_s)
                     if isinstance(nxt, _Job):
                         batch.append(nxt)
-                    else:  # a swap or shutdown waits for this batch to finish
+                    elif not isinstance(nxt, _Wake):  # a drain swap or shutdown waits for it
                         deferred.append(nxt)
                         break
             except queue.Empty:
                 pass
+            self._apply_keep(None)  # keep swaps that came while it gathered: it starts on them
             self._run_batch(batch)
+            self._apply_keep(None)
             for d in deferred:
                 if d is None:
                     return
@@ -245,14 +406,7 @@ class LocalBackend:
                 swap.future.set_result(None)
         elif swap.future.set_running_or_notify_cancel():
             try:
-                from safetensors.torch import load_file
-
-                state: dict[str, torch.Tensor] = {}
-                for shard in sorted(swap.checkpoint_dir.glob("*.safetensors")):
-                    state.update(load_file(shard, device=str(self.device)))
-                if not state:
-                    raise BackendError(f"no safetensors in {swap.checkpoint_dir}")
-                _check_compatible(self.model.state_dict(), state)
+                state = _read_checkpoint(swap.checkpoint_dir, self.model, self.device)
                 with torch.no_grad():
                     self.model.load_state_dict(state, strict=True)
                 # Free the loaded copy before answering: freeing hundreds of MB holds the GIL
@@ -264,6 +418,53 @@ class LocalBackend:
             except Exception as exc:  # the swap fails, the old weights keep serving
                 logger.exception("weight load failed")
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
+
+    def _apply_keep(self, running: _Running | None) -> list[int]:
+        """Apply the keep swaps handed over so far (no forward runs now); mark the rows of
+        `running` they concern. Returns the rows whose KV cache must be recomputed."""
+        recompute: set[int] = set()
+        while True:
+            with self._keep_lock:
+                if not self._keep:
+                    break
+                swap = self._keep.popleft()
+            if not swap.future.set_running_or_notify_cancel():
+                continue
+            live = [] if running is None else running.live()
+            try:
+                if isinstance(swap, _KeepWeights):
+                    with torch.no_grad():
+                        self.model.load_state_dict(swap.state, strict=True)
+                    swap.state.clear()  # before answering (see `_swap`)
+                    self._version = swap.version
+                    concerned = live
+                    labelled = [i for i in live if running and running.rows[i] is None]
+                else:
+                    self._adapters.add_hooks(self._adapters.unhooked(swap.adapter))
+                    self._adapters.put(swap.name, swap.adapter)
+                    concerned = [
+                        i for i in live if running and running.jobs[i].request.adapter == swap.name
+                    ]
+                    labelled = concerned
+            except Exception as exc:  # checked before it came here; the old weights serve
+                logger.exception("keep swap to version %d failed", swap.version)
+                swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
+                continue
+            if running is not None:
+                for i in labelled:
+                    running.mark(i, swap.version)
+                if isinstance(swap, _KeepAdapter):
+                    for i in concerned:
+                        running.rows[i] = swap.adapter
+            if swap.clear_kv:
+                recompute.update(concerned)
+            logger.info(
+                "version %d swapped in between two steps (%d rows go on with it)",
+                swap.version,
+                len(labelled),
+            )
+            swap.future.set_result(None)
+        return sorted(recompute)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
@@ -289,10 +490,13 @@ class LocalBackend:
         and its own adapter (from `loaded`, the bank's snapshot for this batch)."""
         rows = [None if j.request.adapter is None else loaded[j.request.adapter] for j in jobs]
         versions = [self._version if a is None else a.version for a in rows]
-        with self._adapters.routing(rows):
-            return self._decode(jobs, versions)
+        running = _Running(
+            jobs, rows, [[(0, v)] for v in versions], [[] for _ in jobs], [None] * len(jobs)
+        )
+        return self._decode(running)
 
-    def _decode(self, jobs: list[_Job], versions: list[int]) -> list[GenerateResult]:
+    def _decode(self, running: _Running) -> list[GenerateResult]:
+        jobs, out_ids, finish = running.jobs, running.out_ids, running.finish
         requests = [j.request for j in jobs]
         width = max(len(r.prompt_token_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
@@ -305,21 +509,20 @@ class LocalBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [self._generator(r) for r in requests]
         stops = [self._stop_check(r.params) for r in requests]
-        out_ids: list[list[int]] = [[] for _ in requests]
         out_lps: list[list[float]] = [[] for _ in requests]
-        finish: list[FinishReason | None] = [None] * len(requests)
         max_new = max(r.params.max_tokens for r in requests)
         cache = None
         step_ids, step_pos = ids, positions
         for _ in range(max_new):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with self._adapters.routing(running.rows):
+                out = self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
             next_ids = []
@@ -346,10 +549,41 @@ class LocalBackend:
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            recompute = self._apply_keep(running)  # between two steps: where keep swaps land
+            if recompute:
+                cache = self._recompute_kv(cache, recompute, ids, mask, running)
         return [
-            GenerateResult(o, lp, f or "length", v)
-            for o, lp, f, v in zip(out_ids, out_lps, finish, versions, strict=True)
+            result_with_marks(o, lp, f or "length", m)
+            for o, lp, f, m in zip(out_ids, out_lps, finish, running.marks, strict=True)
         ]
+
+    def _recompute_kv(
+        self, cache, rows: list[int], ids: torch.Tensor, mask: torch.Tensor, running: _Running
+    ):
+        """`cache` with the entries of `rows` (all still generating) recomputed by the weights
+        and adapters now served: one prefill of their prompt and output but the last token
+        (which the next step feeds), left-padded and positioned as the decode loop has them;
+        the other rows' entries are not touched."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        sampled = torch.tensor(
+            [running.out_ids[i][:-1] for i in rows], dtype=torch.long, device=self.device
+        ).reshape(len(rows), -1)
+        fed = torch.cat([ids.index_select(0, index), sampled], dim=1)
+        fed_mask = mask.index_select(0, index)[:, :-1]
+        with self._adapters.routing([running.rows[i] for i in rows]):
+            fresh = self.model(
+                input_ids=fed,
+                attention_mask=fed_mask,
+                position_ids=(fed_mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+        if len(rows) == len(running.rows):
+            return fresh
+        for old, new in zip(cache.layers, fresh.layers, strict=True):
+            old.keys.index_copy_(0, index, new.keys)
+            old.values.index_copy_(0, index, new.values)
+        return cache
 
     def _stop_check(self, params: SamplingParams) -> TextStop | None:
         """A row's stop-string check: fed each sampled token, true once the text holds one.

@@ -13,7 +13,14 @@ import torch
 from inference.backend import Backend, BackendError
 from inference.chat_template import ChatTemplate
 from inference.local import LocalBackend
-from inference.types import GenerateRequest, GenerateResult, SamplingParams
+from inference.types import (
+    DRAIN,
+    KEEP,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    SwapPolicy,
+)
 
 PROMPTS = [
     [{"role": "user", "content": "what is one plus two?"}],
@@ -227,27 +234,32 @@ async def test_load_weights_swaps_version_and_logits(
     assert again.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-6)
 
 
-async def test_requests_queued_before_a_swap_finish_on_the_old_version(
+async def test_requests_queued_before_a_drain_swap_finish_on_the_old_version(
     backend: LocalBackend, prompts: list[list[int]], modified_checkpoint: Path
 ) -> None:
     old = asyncio.ensure_future(backend.generate(GenerateRequest(prompts[0], _greedy(30))))
     await asyncio.sleep(0)  # the request is queued before the swap
-    swap = asyncio.ensure_future(backend.load_weights(modified_checkpoint, 1))
+    swap = asyncio.ensure_future(backend.load_weights(modified_checkpoint, 1, DRAIN))
     await asyncio.sleep(0)
     new = asyncio.ensure_future(backend.generate(GenerateRequest(prompts[0], _greedy(4))))
     r_old, _, r_new = await asyncio.gather(old, swap, new)
-    assert r_old.policy_version == 0
+    assert (r_old.policy_version, r_old.version_starts) == (0, ())
     assert len(r_old.output_token_ids) == 30
     assert r_new.policy_version == 1
 
 
+@pytest.mark.parametrize("policy", [KEEP, DRAIN], ids=["keep", "drain"])
 async def test_failed_swap_keeps_serving_the_old_weights(
-    backend: LocalBackend, prompts: list[list[int]], tmp_path: Path, tiny_model_dir: Path
+    backend: LocalBackend,
+    prompts: list[list[int]],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    policy: SwapPolicy,
 ) -> None:
     req = GenerateRequest(prompts[0], _greedy(5))
     before = await backend.generate(req)
     with pytest.raises(BackendError):
-        await backend.load_weights(tmp_path, 1)  # no safetensors there
+        await backend.load_weights(tmp_path, 1, policy)  # no safetensors there
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     from safetensors.torch import save_file
@@ -255,15 +267,20 @@ async def test_failed_swap_keeps_serving_the_old_weights(
     for f in broken.glob("*.safetensors"):
         save_file({"lm_head.weight": torch.zeros(3, 3)}, f)
     with pytest.raises(BackendError):
-        await backend.load_weights(broken, 1)
+        await backend.load_weights(broken, 1, policy)
     assert backend.version == 0
     after = await backend.generate(req)
     assert after.policy_version == 0
     assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-6)
 
 
+@pytest.mark.parametrize("policy", [KEEP, DRAIN], ids=["keep", "drain"])
 async def test_partially_matching_checkpoint_leaves_the_weights_untouched(
-    backend: LocalBackend, prompts: list[list[int]], tmp_path: Path, tiny_model_dir: Path
+    backend: LocalBackend,
+    prompts: list[list[int]],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    policy: SwapPolicy,
 ) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -273,7 +290,7 @@ async def test_partially_matching_checkpoint_leaves_the_weights_untouched(
     req = GenerateRequest(prompts[0], _greedy(5))
     before = await backend.generate(req)
     with pytest.raises(BackendError):
-        await backend.load_weights(tmp_path, 1)
+        await backend.load_weights(tmp_path, 1, policy)
     after = await backend.generate(req)
     assert after.policy_version == 0
     assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-6)
