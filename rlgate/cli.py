@@ -129,7 +129,10 @@ BENCHES = {
     "capture": ("rlgate.bench.capture", "completions/s persisted: group commit vs one each"),
     "gateway": ("rlgate.bench.gateway", "latency and req/s: stub vs rlgate vs LiteLLM proxy"),
     "e2e": ("rlgate.bench.e2e", "trained samples/s: max_staleness 0 vs 1 and 2"),
-    "swap": ("rlgate.bench.swap", "vLLM hot-swap seconds vs a server restart"),
+    "swap": (
+        "rlgate.bench.swap",
+        "vLLM hot-swap seconds vs a server restart; --stall: drain vs keep under load",
+    ),
     "learn": ("rlgate.bench.learn", "held-out reward from one sample budget: rlgate vs TRL"),
     "tenants": ("rlgate.bench.tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
     "served": ("rlgate.bench.served", "last reward to new version served: fsdp vs local engine"),

@@ -9,6 +9,9 @@ write no checkpoint (it is written once before timing). `repeats` hot swaps
 (alternating two checkpoints) and `restarts` restarts are timed; medians are
 reported and `ratio` = hot-swap seconds / restart seconds. The last printed
 line is one JSON object.
+
+`--stall` measures instead what a swap costs agents that are streaming
+through it, `drain` against `keep` (`rlgate.bench.swap_stall`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--restarts", type=int, default=2, help="restarts timed")
     p.add_argument("--max-model-len", type=int, default=512)
     bench_dirs.add_dir_arguments(p, "the second checkpoint and the server's log")
+    stall = p.add_argument_group("stall mode (--stall): drain vs keep while agents stream")
+    stall.add_argument("--stall", action="store_true", help="measure the stall, not the restart")
+    stall.add_argument("--seconds", type=float, default=120.0, help="per mode, stand-in setup")
+    stall.add_argument("--agents", type=int, default=64, help="streaming agents, stand-in setup")
+    stall.add_argument("--swap-every", type=float, default=10.0, help="seconds between swaps")
+    stall.add_argument(
+        "--reload-ms", type=float, default=300.0, help="the stand-in's reload, server paused"
+    )
+    stall.add_argument(
+        "--vllm-streams", type=int, default=4, help="streams against vLLM (0: skip vLLM)"
+    )
+    stall.add_argument("--vllm-seconds", type=float, default=60.0, help="per mode, vLLM setup")
+    stall.add_argument("--vllm-swap-every", type=float, default=15.0, help="vLLM setup")
+    stall.add_argument("--vllm-model", default="smollm2", help="model of the vLLM setup")
     return p
 
 
@@ -132,6 +149,10 @@ def summary(model: str, swaps: list[float], restarts: list[float]) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.stall:
+        from rlgate.bench import swap_stall
+
+        return swap_stall.run(args)
     from core.settings import Settings
     from inference.models import resolve_model
 
