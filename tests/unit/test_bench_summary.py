@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from rlgate.bench import capture, e2e, gateway_report, learn, served, swap, tenants, train
+from rlgate.bench import (
+    capture,
+    e2e,
+    gateway_report,
+    learn,
+    served,
+    swap,
+    swap_stall,
+    tenants,
+    train,
+)
 from rlgate.bench.train_fsdp import fsdp_figures
 from rlgate.bench.train_step import step_figures
 from rlgate.bench.train_swap import swap_figures
@@ -85,6 +95,25 @@ def test_train_has_ratio_step_ratio_and_with_fsdp_its_step_ratio_and_swap_second
 def test_swap_has_ratio() -> None:
     out = keys_of(swap.summary("smollm2", [0.5, 0.6, 0.7], [60.0, 61.0]))
     assert out["ratio"] == pytest.approx(0.6 / 60.5)
+
+
+def test_swap_stall_has_per_mode_stall_failed_calls_and_tokens_per_s() -> None:
+    def run(first: float, tokens: int) -> swap_stall.ModeRun:
+        calls = [
+            swap_stall.Call(0.0, 0.1, 4.0, tokens, 0.02, 1),
+            swap_stall.Call(10.1, first, 14.0, tokens, 0.02, 1),
+        ]
+        return swap_stall.ModeRun(10.0, calls, [swap_stall.Swap(10.0, 10.5, 0.4)], 0)
+
+    out = keys_of(
+        swap_stall.summary(
+            swap_stall.StallSetup(), {"drain": run(12.1, 100), "keep": run(10.4, 200)}
+        )
+    )
+    for mode in ("drain", "keep"):
+        assert {"stall_ms", "failed", "tokens_per_s"} <= out[mode].keys()
+    assert out["drain"]["stall_ms"] == 1900.0 and out["keep"]["stall_ms"] == 200.0
+    assert out["throughput_ratio"] == 2.0 and out["keep"]["failed"] == 0
 
 
 def test_capture_has_completions_per_s() -> None:
