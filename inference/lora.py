@@ -15,8 +15,8 @@ same order, so a mixed batch's logprobs are those of each row run alone with
 peft (tests/unit/test_lora_batch.py). Own hooks rather than peft's
 mixed-adapter batches (`adapter_names=`): the base model stays a plain HF
 module, swapping one adapter is replacing one dict entry between batches
-(no module surgery while other adapters are live), and adapters of
-different ranks and target modules mix freely.
+or between two decode steps (no module surgery while other adapters are
+live), and adapters of different ranks and target modules mix freely.
 
 Not supported (refused when the adapter is read): DoRA, trained biases,
 per-module rank or alpha patterns, adapters on embeddings or non-Linear modules.
@@ -215,14 +215,17 @@ class AdapterBank:
     """The adapters served on one base model, and the hooks that apply them per row.
 
     Threads: `add_hooks` changes the model's modules and must run while no
-    forward does (the local backend's model thread, between batches). `put`,
-    `pop` and `snapshot` take one lock and may run on any thread: a batch
-    routes the adapters of one `snapshot`, taken when it starts, so a swap
-    while a batch runs serves from the next batch on, and every row of a batch
-    runs one version of its adapter from its first token to its last. A hook
-    stays on its module once added (an unloaded adapter's modules cost one
-    dict lookup per forward while other adapters are served, nothing when
-    none are): taking it off would need the model thread again.
+    forward does (the local backend's model thread, between batches or
+    between two decode steps). `put`, `pop` and `snapshot` take one lock and
+    may run on any thread. A batch routes the adapters it was given
+    (`routing`, one list of per-row adapters per forward): the local backend
+    takes them from one `snapshot` when the batch starts, so a `put` from
+    another thread serves from the next batch on (a `drain` swap), while a
+    `keep` swap is put by the model thread itself between two steps, which
+    then hands the new adapter to that adapter's rows. A hook stays on its
+    module once added (an unloaded adapter's modules cost one dict lookup per
+    forward while other adapters are served, nothing when none are): taking
+    it off would need the model thread again.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -249,7 +252,7 @@ class AdapterBank:
                 self._hooks[name] = self.linears[name].register_forward_hook(self._hook(name))
 
     def put(self, name: str, adapter: Adapter) -> None:
-        """Serve `adapter` as `name` from the next batch on (replacing any before it).
+        """Serve `adapter` as `name` to every later `snapshot` (replacing any before it).
 
         Hooks it still lacks are added here: where a forward may be running,
         `add_hooks` them on the model's thread first.

@@ -16,7 +16,7 @@ import dataclasses
 from inference.backend import AdapterBackend, BackendError, TokenStream
 from inference.lora import ADAPTER_CONFIG
 from inference.swap import WeightsSource, weights_dir
-from inference.types import GenerateRequest, GenerateResult
+from inference.types import KEEP, GenerateRequest, GenerateResult, SwapPolicy
 
 
 class AdapterView:
@@ -48,12 +48,15 @@ class AdapterView:
     def start_stream(self, request: GenerateRequest) -> TokenStream:
         return self.backend.start_stream(self._route(request))
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
-        """Load version `version` of this run: its adapter, replacing the one served."""
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Load version `version` of this run: its adapter, replacing the one served; `policy`
+        says what the run's requests already generating do (`AdapterBackend.load_adapter`)."""
         adapter_dir = weights_dir(checkpoint_dir)
         if not (adapter_dir / ADAPTER_CONFIG).is_file():
             raise BackendError(f"{checkpoint_dir} is not a LoRA adapter of run {self.name}")
-        await self.backend.load_adapter(self.name, adapter_dir, version)
+        await self.backend.load_adapter(self.name, adapter_dir, version, policy)
 
     async def health(self) -> bool:
         return await self.backend.health()

@@ -16,7 +16,7 @@ from inference.backend import AdapterBackend, BackendError
 from inference.chat_template import ChatTemplate
 from inference.local import LocalBackend
 from inference.lora import AdapterBank, AdapterError, read_adapter
-from inference.types import GenerateRequest, SamplingParams
+from inference.types import DRAIN, GenerateRequest, SamplingParams
 
 TOL = 1e-5
 
@@ -179,12 +179,12 @@ async def test_a_swap_replaces_one_adapter_and_unload_fails_only_its_requests(
     assert await answer("run_b") == b1 and await answer(None) == base
 
 
-async def test_a_swap_during_a_batch_returns_at_once_and_serves_from_the_next_batch(
+async def test_a_drain_swap_during_a_batch_returns_at_once_and_serves_from_the_next_batch(
     backend: LocalBackend, adapters: dict[str, Path], prompts: list[list[int]]
 ) -> None:
     """The batch that is decoding is held at its second token (a hook in the model); the
-    adapter swap must return while it is held, and the held batch must still finish on the
-    old adapter, every token of it."""
+    drain-mode adapter swap must return while it is held, and the held batch must still
+    finish on the old adapter, every token of it."""
     await backend.load_adapter("run_a", adapters["a"], 1)
     request = GenerateRequest(prompts[0], _greedy(), adapter="run_a")
     alone = (await backend.generate(request)).output_token_ids
@@ -199,13 +199,14 @@ async def test_a_swap_during_a_batch_returns_at_once_and_serves_from_the_next_ba
     try:
         stream = backend.start_stream(request)
         assert await asyncio.to_thread(held.wait, 60), "the batch never reached a decode step"
-        await asyncio.wait_for(backend.load_adapter("run_a", adapters["a2"], 2), 60)
+        await asyncio.wait_for(backend.load_adapter("run_a", adapters["a2"], 2, DRAIN), 60)
         assert backend.adapter_version("run_a") == 2
     finally:
         release.set()
         hook.remove()
     during = await stream.result()
     assert (during.policy_version, during.output_token_ids) == (1, alone)
+    assert during.version_starts == ()
     after = await backend.generate(request)
     assert after.policy_version == 2 and after.output_token_ids != alone
 
