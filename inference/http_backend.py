@@ -14,10 +14,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 
 import aiohttp
 import httpx
@@ -37,7 +38,16 @@ from inference.http_common import (
     post_json,
     transport_errors,
 )
-from inference.types import FinishReason, GenerateRequest, GenerateResult
+from inference.types import (
+    DRAIN,
+    KEEP,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SwapPolicy,
+    VersionStarts,
+    result_with_marks,
+)
 from inference.weight_source import CollectiveSource, saved
 
 logger = logging.getLogger(__name__)
@@ -51,11 +61,14 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class Lane:
-    """The requests one swap drains: all of a backend's, or those of one adapter.
+    """The requests one swap acts on: all of a backend's, or those of one adapter.
 
     `gate` is cleared while the swap runs (new requests wait); `idle` is set
     when none of the lane's admitted requests is in flight; `running` holds
-    their calls, so a drain timeout can abort them (`aborted`).
+    their calls, so a drain timeout can abort them (`aborted`). `flights` are
+    the requests in flight that report this lane's version (a keep-mode swap
+    marks them), `received` counts the tokens they have received (its settle
+    watches it).
     """
 
     def __init__(self, version: int) -> None:
@@ -67,6 +80,8 @@ class Lane:
         self.inflight = 0
         self.running: set[asyncio.Future[Any]] = set()
         self.aborted: set[asyncio.Future[Any]] = set()
+        self.flights: set[Flight] = set()
+        self.received = 0
         self.lock = asyncio.Lock()  # one swap of this lane at a time
 
     def enter(self) -> None:
@@ -79,21 +94,126 @@ class Lane:
             self.idle.set()
 
 
+class Flight:
+    """One admitted request as a keep-mode swap sees it.
+
+    `marks` are (token index, version) pairs for `result_with_marks`: the
+    version it was admitted on, then one per keep-mode swap it lived through,
+    at the number of tokens it had received when the swap marked it.
+    `streamed`: its tokens arrive one event at a time, so that number is the
+    index where the new version began; a non-streaming call cannot be marked
+    so and relies on the server's labels.
+    """
+
+    __slots__ = ("lane", "lanes", "marks", "received", "streamed", "swapped")
+
+    def __init__(self, lanes: tuple[Lane, ...], streamed: bool) -> None:
+        self.lanes = lanes
+        self.lane = lanes[-1]  # the lane whose version it reports
+        self.marks = [(0, self.lane.version)]
+        self.received = 0
+        self.streamed = streamed
+        self.swapped = False
+
+    @property
+    def version(self) -> int:
+        """The version it was admitted on."""
+        return self.marks[0][1]
+
+    def got(self, n: int) -> None:
+        self.received += n
+        self.lane.received += n
+
+    def mark(self, version: int) -> None:
+        """Tokens from the next one received on were sampled by `version`."""
+        self.marks.append((self.received, version))
+        self.swapped = True
+
+    def result(
+        self, ids: list[int], lps: list[float], finish: FinishReason, server: VersionStarts | None
+    ) -> GenerateResult:
+        """The completion; the server's labels (`server`) win over the marks."""
+        if server:
+            return result_with_marks(ids, lps, finish, list(server))
+        if self.swapped and not self.streamed:
+            raise BackendError(
+                "a keep-mode swap happened during a non-streaming call whose answer "
+                "labels no tokens: the version of each token is unknown"
+            )
+        return result_with_marks(ids, lps, finish, self.marks)
+
+
+class Completion(NamedTuple):
+    """What `_complete` may return: its tokens, finish reason, and the server's labels."""
+
+    tokens: Tokens
+    finish: FinishReason
+    starts: VersionStarts | None = None  # where each version began, from the server's labels
+
+
+class StreamEvent(NamedTuple):
+    """What `_stream_tokens` may yield: the new tokens, the finish reason if any, and the
+    server's labels of the whole output (usually on the last event only)."""
+
+    tokens: Tokens
+    finish: FinishReason | None
+    starts: VersionStarts | None = None
+
+
+def _unpack(
+    answer: Completion | StreamEvent | tuple[Tokens, FinishReason | None],
+) -> tuple[Tokens, FinishReason | None, VersionStarts | None]:
+    if isinstance(answer, Completion | StreamEvent):
+        return answer.tokens, answer.finish, answer.starts
+    tokens, finish = answer
+    return tokens, finish, None
+
+
+# The backend whose server this task holds paused for a keep-mode swap: a nested
+# `_server_paused` (a subclass's adapter load) finds it paused already.
+_PAUSED_BY: contextvars.ContextVar[HttpBackend | None] = contextvars.ContextVar(
+    "rlgate_http_paused_by", default=None
+)
+
+
 class HttpBackend(abc.ABC):
     """A `Backend` over one inference server's HTTP API.
 
-    Hot swap, the ordering contract. `load_weights`:
+    Hot swap, the ordering contract. `load_weights(source, version, policy)`
+    with `policy.mode == "keep"` (the default):
 
-    1. closes this backend's admission gate: new requests wait (nothing fails);
-    2. drains: waits until every request it admitted has finished, up to
-       `config.drain_timeout_s`;
-    3. pauses the server, reloads the weights in place, and (even if the
-       reload failed) resumes it: `_pause`, `_reload`, `_resume`;
-    4. bumps `version` (only if the reload succeeded) and opens the gate.
+    1. closes this backend's admission gate: new requests wait (nothing
+       fails); requests in flight go on, and nothing waits for them;
+    2. pauses the server with the policy (`_pause`): it freezes the requests
+       it is generating between two tokens (`clear_kv`: their KV cache is
+       recomputed by the new weights after the resume);
+    3. loads the weights in place (`_reload`, or `_receive` from a
+       collective) and meanwhile, unless the server labels tokens, settles:
+       waits until no stream of the lane has received a token for
+       `config.pause_settle_s`, so every token sampled before the pause has
+       arrived (the server is paused: none sampled after it can arrive);
+    4. marks each request in flight: the tokens it receives from now on were
+       sampled by `version` (only if the load succeeded);
+    5. bumps `version` (only if the load succeeded), resumes the server (even
+       after a failed load: `_resume`), opens the gate.
 
-    A request reads `version` when it is admitted, and no request is in
-    flight while the weights change, so a completion never mixes versions:
-    the version it reports sampled all of its tokens.
+    A request reads `version` when it is admitted; its result says where each
+    later version began (`GenerateResult.version_starts`, built by
+    `result_with_marks`). When the server labels each token with its weights
+    version (`labels_tokens`: `_complete` returns a `Completion`,
+    `_stream_tokens` yields a `StreamEvent` with `starts`), those labels win
+    over the marks. A server that labels no tokens has every non-streaming
+    call sent as a stream internally (`generate`), so that a swap can mark
+    it too: an SSE event per token instead of one JSON body, a little more
+    CPU and bytes per call. The marks rely on the settle: a token sampled
+    before the pause that arrives after `pause_settle_s` of silence would be
+    labelled with the new version.
+
+    `policy.mode == "drain"`: step 1, then waits until every request it
+    admitted has finished, up to `config.drain_timeout_s`, then pauses
+    (`_pause` with the policy), reloads, resumes, bumps. No request of this
+    client is in flight while the weights change, so a completion never
+    mixes versions.
 
     Drain timeout: the stragglers are aborted, then the swap goes ahead. A
     request still running after `drain_timeout_s` is cancelled on our side
@@ -108,19 +228,22 @@ class HttpBackend(abc.ABC):
     expect a load that comes after a bounded wait.
 
     LoRA adapters (`inference.backend.AdapterBackend`). Each loaded adapter
-    has a lane of its own: its version, gate and in-flight count. A request
-    naming an adapter is admitted through the backend's gate and then the
-    adapter's, and reports the adapter's version. `load_adapter` runs the
-    same four steps on that lane only: it closes the adapter's gate, drains
-    the adapter's requests (same timeout policy), has the server load the
-    adapter (`_load_adapter`), bumps the adapter's version and opens the
-    gate. Other adapters and the base model keep serving throughout, unless
-    the server itself must pause for the load (vLLM, reloading from the same
-    directory: `VLLMBackend`). `unload_adapter` closes and drains the lane,
-    has the server drop the adapter and forgets the lane: requests naming it
-    then fail with `BackendError`. When the server's reload of an adapter is
-    not atomic (`adapter_reload_atomic` False: an unload then a load) and
-    fails, the adapter is forgotten rather than served at an unknown version.
+    has a lane of its own: its version, gate and in-flight requests. A
+    request naming an adapter is admitted through the backend's gate and then
+    the adapter's, and reports the adapter's version. `load_adapter` runs the
+    same steps on that lane: it closes the adapter's gate; with `drain` it
+    drains the adapter's requests (same timeout policy) and has the server
+    load the adapter (`_load_adapter`) while other adapters and the base
+    model keep serving, unless the server itself must pause for the load
+    (vLLM, reloading from the same directory: `VLLMBackend`); with `keep` no
+    server here pauses one adapter alone, so the whole server pauses for the
+    load (every request on it freezes for that long; only the adapter's are
+    marked and bumped). Then it bumps the adapter's version and opens the
+    gate. `unload_adapter` closes and drains the lane, has the server drop
+    the adapter and forgets the lane: requests naming it then fail with
+    `BackendError`. When the server's reload of an adapter is not atomic
+    (`adapter_reload_atomic` False: an unload then a load) and fails, the
+    adapter is forgotten rather than served at an unknown version.
 
     Clients. The sampling calls (`_post`, `_events`) go through an aiohttp
     session, made on first use inside the running loop: the gateway forwards
@@ -134,6 +257,10 @@ class HttpBackend(abc.ABC):
     # True when the server replaces a loaded adapter in one step that either
     # succeeds or leaves the old one (vLLM's load_inplace); False: unload, then load.
     adapter_reload_atomic: ClassVar[bool] = False
+    # True when the server labels each token with the weights version that sampled it and
+    # `_complete` / `_stream_tokens` report those labels (their `starts`); False: `generate`
+    # streams internally so that a keep-mode swap can mark where the new version began.
+    labels_tokens: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -188,22 +315,30 @@ class HttpBackend(abc.ABC):
     # --- what a server does differently (subclasses) -------------------------------
 
     @abc.abstractmethod
-    async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
-        """One non-streaming generation: its tokens and finish reason."""
+    async def _complete(self, request: GenerateRequest) -> Completion | tuple[Tokens, FinishReason]:
+        """One non-streaming generation: its tokens and finish reason, and the server's
+        per-token version labels when it gives them (a `Completion` with `starts`).
+        Called only when `labels_tokens` is True."""
 
     @abc.abstractmethod
     def _stream_tokens(
         self, request: GenerateRequest
-    ) -> AsyncIterator[tuple[Tokens, FinishReason | None]]:
-        """One streaming generation: per event, the NEW tokens and the finish reason if any."""
+    ) -> AsyncIterator[StreamEvent | tuple[Tokens, FinishReason | None]]:
+        """One streaming generation: per event, the NEW tokens and the finish reason if any;
+        a `StreamEvent` may carry the server's labels of the whole output (the last does)."""
 
     async def _check_checkpoint(self, checkpoint_dir: Path, version: int) -> Path:
         """Refuse a checkpoint the server cannot load, before anything is paused."""
         return checkpoint_dir
 
     @abc.abstractmethod
-    async def _pause(self) -> None:
-        """Stop the server generating (after the drain; other clients' requests included)."""
+    async def _pause(self, policy: SwapPolicy) -> None:
+        """Stop the server generating for a swap, other clients' requests included.
+
+        `keep`: requests in flight freeze between two tokens and go on after `_resume`
+        (`clear_kv`: their KV cache is recomputed then). `drain`: called after the drain;
+        what the server does with other clients' requests is its own pause's default.
+        """
 
     @abc.abstractmethod
     async def _reload(self, checkpoint_dir: Path, version: int) -> None:
@@ -234,26 +369,39 @@ class HttpBackend(abc.ABC):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
-        async with self.admitted(request.adapter) as (version, lanes):
-            tokens, finish = await self._abortable(self._complete(request), lanes)
-        return GenerateResult([t for t, _ in tokens], [lp for _, lp in tokens], finish, version)
+        if not self.labels_tokens:  # only a stream can be marked by a keep-mode swap
+            stream = HttpStream(self, request, queue_tokens=False)
+            try:
+                return await stream.result()
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+        async with self.admitted(request.adapter, streamed=False) as flight:
+            answer = await self._abortable(self._complete(request), flight.lanes)
+        tokens, finish, starts = _unpack(answer)
+        if finish is None:
+            raise BackendError(f"{self.name} answered without a finish_reason")
+        return flight.result([t for t, _ in tokens], [lp for _, lp in tokens], finish, starts)
 
     def start_stream(self, request: GenerateRequest) -> HttpStream:
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
         return HttpStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: Path | CollectiveSource, version: int) -> None:
-        """Swap in place, in the order of the class docstring; step 3 receives the weights
+    async def load_weights(
+        self, checkpoint_dir: Path | CollectiveSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Swap in place, in the order of the class docstring; the load receives the weights
         from the trainer instead of reloading them when given a `CollectiveSource`."""
         source = await self._checked_source(checkpoint_dir, version)
-        async with self.quiesced(f"load v{version}"):
-            await self._swap_paused(source, version)
+        async with self.quiesced(f"load v{version}", policy):
+            await self._swap_paused(source, version, policy)
 
     @contextlib.asynccontextmanager
-    async def quiesced(self, what: str) -> AsyncIterator[None]:
-        """Steps 1 and 2 held open: the gate closed and none of this client's requests in
-        flight (`what` names the reason in the drain's log), until the block exits.
+    async def quiesced(self, what: str, policy: SwapPolicy = KEEP) -> AsyncIterator[None]:
+        """The gate closed until the block exits; with `drain`, also none of this client's
+        requests in flight (`what` names the reason in the drain's log). With `keep` they
+        go on: a reload inside pauses them on the server.
 
         For a swap that several clients of one server must agree on
         (`gateway.control.swap_barrier`): inside, `reload_quiesced` reloads the server
@@ -262,18 +410,31 @@ class HttpBackend(abc.ABC):
         async with self._swap_lock:
             self._base.gate.clear()
             try:
-                await self._drain(self._base, what)
+                if policy.mode == "drain":
+                    await self._drain(self._base, what)
                 yield
             finally:
                 self._base.gate.set()
 
-    async def reload_quiesced(self, source: Path | CollectiveSource, version: int) -> None:
-        """Steps 3 and 4 of `load_weights`; the caller holds `quiesced`."""
-        await self._swap_paused(await self._checked_source(source, version), version)
+    async def reload_quiesced(
+        self, source: Path | CollectiveSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Pause, load, (keep) mark, bump, resume; the caller holds `quiesced` with the same
+        `policy`."""
+        await self._swap_paused(await self._checked_source(source, version), version, policy)
 
     def set_version(self, version: int) -> None:
         """Label later requests `version` without reloading: another client of the same
-        server had it load that version. The caller holds `quiesced`."""
+        server had it load that version. The caller holds `quiesced`.
+
+        Requests still in flight (a keep-mode swap) are marked as going on at `version`
+        from their next token. No settle precedes the mark here, so unless the server
+        labels tokens the index is exact only when this runs while the other client
+        holds the server paused.
+        """
+        for flight in self._base.flights:
+            if flight.lane is self._base:
+                flight.mark(version)
         self._base.version = version
 
     async def _checked_source(
@@ -283,15 +444,64 @@ class HttpBackend(abc.ABC):
             return source
         return await self._check_checkpoint(Path(source), version)
 
-    async def _swap_paused(self, source: Path | CollectiveSource, version: int) -> None:
-        """Pause, load, resume (even after a failed load); the version only if it loaded."""
-        await self._pause()
-        try:
-            await self._load(source, version)
+    async def _swap_paused(
+        self, source: Path | CollectiveSource, version: int, policy: SwapPolicy
+    ) -> None:
+        """Pause, load, resume (even after a failed load); the marks and the version only if
+        it loaded."""
+        async with self._paused_for(policy):
+            if policy.mode == "keep":
+                await self._load_keeping(self._base, self._load(source, version), version)
+            else:
+                await self._load(source, version)
             self._base.version = version
+        logger.info(
+            "%s at %s serves version %d (%s, %s)", self.name, self.url, version, source, policy
+        )
+
+    @contextlib.asynccontextmanager
+    async def _paused_for(self, policy: SwapPolicy) -> AsyncIterator[None]:
+        """The server paused with `policy` until the block exits, then resumed."""
+        await self._pause(policy)
+        token = _PAUSED_BY.set(self)
+        try:
+            yield
         finally:
+            _PAUSED_BY.reset(token)
             await self._resume()
-        logger.info("%s at %s serves version %d (%s)", self.name, self.url, version, source)
+
+    async def _load_keeping(
+        self, lane: Lane, load: Coroutine[Any, Any, None], version: int
+    ) -> None:
+        """A keep-mode swap's load on the paused server: the settle alongside it, then each
+        of `lane`'s requests in flight marked as going on at `version`."""
+        settle = asyncio.ensure_future(self._settle(lane))
+        try:
+            await load
+            await settle
+        finally:
+            settle.cancel()
+        for flight in lane.flights:
+            if flight.lane is lane:
+                flight.mark(version)
+
+    async def _settle(self, lane: Lane) -> None:
+        """Until no stream of `lane` has received a token for `config.pause_settle_s` (the
+        server is paused: what still arrives was sampled before the pause). Nothing to wait
+        for when the server labels tokens or none of the lane's requests is in flight."""
+        if self.labels_tokens or not lane.flights:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.control_timeout_s
+        seen = lane.received
+        while True:
+            await asyncio.sleep(self.config.pause_settle_s)
+            if lane.received == seen:
+                return
+            if loop.time() > deadline:
+                logger.warning("%s: tokens still arriving while paused; marking anyway", self)
+                return
+            seen = lane.received
 
     async def _load(self, source: Path | CollectiveSource, version: int) -> None:
         """The paused server's load; a failed receive falls back to the checkpoint if saved."""
@@ -308,8 +518,15 @@ class HttpBackend(abc.ABC):
                 await self._check_checkpoint(source.checkpoint_dir, version), version
             )
 
-    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
-        """Load or replace adapter `name`, in the order of the class docstring."""
+    async def load_adapter(
+        self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Load or replace adapter `name`, in the order of the class docstring.
+
+        A `keep` replacement pauses the whole server (with `policy`) for the load: no
+        server here pauses one adapter's requests alone. Every request on the server
+        freezes meanwhile; only the adapter's are marked as going on at `version`.
+        """
         adapter_dir = await self._check_adapter_dir(Path(adapter_dir), name, version)
         async with self._adapter_lock(name):
             lane = self._adapters.get(name)
@@ -319,14 +536,15 @@ class HttpBackend(abc.ABC):
             else:
                 lane.gate.clear()
                 try:
-                    await self._drain(lane, f"load adapter {name!r} v{version}")
-                    try:
-                        await self._load_adapter(name, adapter_dir, replace=True)
-                    except BaseException:
-                        if not self.adapter_reload_atomic:
-                            del self._adapters[name]  # the server may have dropped it
-                        raise
-                    lane.version = version
+                    if policy.mode == "drain":
+                        await self._drain(lane, f"load adapter {name!r} v{version}")
+                        await self._replace_adapter(lane, name, adapter_dir)
+                        lane.version = version
+                    else:
+                        async with self._swap_lock, self._paused_for(policy):
+                            replace = self._replace_adapter(lane, name, adapter_dir)
+                            await self._load_keeping(lane, replace, version)
+                            lane.version = version
                 finally:
                     lane.gate.set()
         logger.info(
@@ -337,6 +555,15 @@ class HttpBackend(abc.ABC):
             version,
             adapter_dir,
         )
+
+    async def _replace_adapter(self, lane: Lane, name: str, adapter_dir: Path) -> None:
+        """The server's load over adapter `name`; a failed non-atomic one forgets it."""
+        try:
+            await self._load_adapter(name, adapter_dir, replace=True)
+        except BaseException:
+            if not self.adapter_reload_atomic and self._adapters.get(name) is lane:
+                del self._adapters[name]  # the server may have dropped it
+            raise
 
     async def unload_adapter(self, name: str) -> None:
         """Drain adapter `name`'s requests, drop it on the server, forget it."""
@@ -374,12 +601,13 @@ class HttpBackend(abc.ABC):
 
     @contextlib.asynccontextmanager
     async def admitted(
-        self, adapter: str | None = None
-    ) -> AsyncIterator[tuple[int, tuple[Lane, ...]]]:
+        self, adapter: str | None = None, streamed: bool = True
+    ) -> AsyncIterator[Flight]:
         """Hold a place among the in-flight requests (of `adapter`, if named).
 
-        Yields the version that will serve the request and the lanes it holds
-        (for `_abortable`). Raises `BackendError` if `adapter` is not loaded.
+        Yields the request's `Flight`: the version it was admitted on, the lanes it holds
+        (for `_abortable`) and the marks of the keep-mode swaps it lives through.
+        Raises `BackendError` if `adapter` is not loaded.
         """
         while True:  # both gates open at the same moment (a swap may start while we wait)
             if not self._base.gate.is_set():
@@ -397,11 +625,14 @@ class HttpBackend(abc.ABC):
                     continue
                 lanes = (self._base, lane)
             break
+        flight = Flight(lanes, streamed)
         for lane in lanes:
             lane.enter()
+        flight.lane.flights.add(flight)
         try:
-            yield lanes[-1].version, lanes
+            yield flight
         finally:
+            flight.lane.flights.discard(flight)
             for lane in lanes:
                 lane.leave()
 
@@ -466,14 +697,14 @@ class HttpBackend(abc.ABC):
         return adapter_dir
 
     @contextlib.asynccontextmanager
-    async def _server_paused(self) -> AsyncIterator[None]:
-        """The server paused for a change that needs it idle (one at a time with weight swaps)."""
-        async with self._swap_lock:
-            await self._pause()
-            try:
-                yield
-            finally:
-                await self._resume()
+    async def _server_paused(self, policy: SwapPolicy = DRAIN) -> AsyncIterator[None]:
+        """The server paused for a change that needs it idle (one at a time with weight swaps);
+        inside a keep-mode swap of this task, which holds it paused already, a no-op."""
+        if _PAUSED_BY.get() is self:
+            yield
+            return
+        async with self._swap_lock, self._paused_for(policy):
+            yield
 
     # --- HTTP helpers for subclasses ----------------------------------------------------
 
@@ -547,17 +778,22 @@ class HttpStream:
 
     `cancel` closes the HTTP stream, which makes the server abort the request;
     the result keeps what arrived, with finish_reason "cancelled" and the
-    version the request was admitted on. A failure (including an abort by a
-    drain timeout) raises `BackendError` from `tokens` and `result`.
+    versions that sampled it. A failure (including an abort by a drain
+    timeout) raises `BackendError` from `tokens` and `result`.
+    `queue_tokens` False: only the result is wanted (`HttpBackend.generate`).
     """
 
-    def __init__(self, backend: HttpBackend, request: GenerateRequest) -> None:
+    def __init__(
+        self, backend: HttpBackend, request: GenerateRequest, queue_tokens: bool = True
+    ) -> None:
         self._backend = backend
         self._request = request
         self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+        self._queue_tokens = queue_tokens
         self._ids: list[int] = []
         self._lps: list[float] = []
         self._version = backend.version_for(request)
+        self._flight: Flight | None = None
         self._cancelled = False
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"{backend.name}-stream"
@@ -565,10 +801,10 @@ class HttpStream:
 
     async def _run(self) -> GenerateResult:
         try:
-            async with self._backend.admitted(self._request.adapter) as (version, lanes):
-                self._version = version
-                finish = await self._backend._abortable(self._receive(), lanes)
-            return GenerateResult(self._ids, self._lps, finish, version)
+            async with self._backend.admitted(self._request.adapter) as flight:
+                self._flight = flight
+                finish, starts = await self._backend._abortable(self._receive(flight), flight.lanes)
+            return flight.result(self._ids, self._lps, finish, starts)
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise
@@ -576,20 +812,27 @@ class HttpStream:
         finally:
             self._queue.put_nowait(None)
 
-    async def _receive(self) -> FinishReason:
+    async def _receive(self, flight: Flight) -> tuple[FinishReason, VersionStarts | None]:
         finish: FinishReason | None = None
-        async for tokens, reason in self._backend._stream_tokens(self._request):
+        labels: VersionStarts | None = None
+        async for event in self._backend._stream_tokens(self._request):
+            tokens, reason, starts = _unpack(event)
             for token, logprob in tokens:
                 self._ids.append(token)
                 self._lps.append(logprob)
-                self._queue.put_nowait((token, logprob))
+                if self._queue_tokens:
+                    self._queue.put_nowait((token, logprob))
+            flight.got(len(tokens))
             finish = reason or finish
+            labels = starts or labels
         if finish is None:
             raise BackendError(f"{self._backend.name} stream ended without a finish_reason")
-        return finish
+        return finish, labels
 
     def _partial(self) -> GenerateResult:
-        return GenerateResult(self._ids, self._lps, "cancelled", self._version)
+        if self._flight is None:
+            return GenerateResult(self._ids, self._lps, "cancelled", self._version)
+        return result_with_marks(self._ids, self._lps, "cancelled", self._flight.marks)
 
     async def tokens(self) -> AsyncIterator[tuple[int, float]]:
         while (item := await self._queue.get()) is not None:

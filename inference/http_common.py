@@ -28,6 +28,7 @@ import yarl
 
 from core.config import ServerCredentials
 from inference.backend import BackendError, BackendOverloaded
+from inference.types import VersionStarts, check_version_starts
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,18 @@ class HttpBackendConfig:
     max_connections: int = 256  # pooled connections to this server
     pool_shards: int = 8  # connection pools they are split over (see ShardedTransport)
     drain_timeout_s: float = 300.0  # hot swap: wait this long for in-flight requests
+    # Keep-mode swap on a server that labels no tokens: once it is paused, the tokens sampled
+    # before the pause count as arrived when no stream of the swapped lane has received one
+    # for this long (it runs alongside the reload, so it seldom lengthens the swap).
+    pause_settle_s: float = 0.2
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://: {self.base_url!r}")
         if min(self.connect_timeout_s, self.read_timeout_s, self.control_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.pause_settle_s <= 0:
+            raise ValueError("pause_settle_s must be > 0")
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         if not 1 <= self.pool_shards <= self.max_connections:
@@ -271,3 +278,25 @@ def _sse_event(line: bytes) -> Any:
         msg = err.get("message", err) if isinstance(err, dict) else err
         raise BackendError(f"server error mid-stream: {msg}")
     return event
+
+
+def version_starts_of(spans: Any, n_tokens: int) -> VersionStarts | None:
+    """`VersionStarts` from a server's per-token weight labels, vLLM's `weight_versions`
+    (`[{"version": "<label>", "start": i, "end": j}, ...]`, labels that rlgate set to the
+    version number); None when there are none or a label is not a version number (the
+    caller then falls back on its own marks)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    starts: list[tuple[int, int]] = []
+    try:
+        for span in sorted(spans, key=lambda s: int(s["start"])):
+            if int(span["end"]) <= int(span["start"]):
+                continue
+            version = int(span["version"])
+            if starts and starts[-1][1] == version:
+                continue
+            starts.append((int(span["start"]), version))
+        check_version_starts(tuple(starts), n_tokens)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tuple(starts)

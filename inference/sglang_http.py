@@ -14,8 +14,14 @@ Parameters", "Native APIs", "SGLang for RL Systems"; `io_struct.py`):
   so far (or only the new part with ``--incremental-streaming-output``; both
   are read correctly, by counting ``completion_tokens``), then ``[DONE]``.
 * ``POST /pause_generation``, ``POST /update_weights_from_disk``
-  (``model_path``, ``weight_version``; answers ``success``, ``message``),
-  ``POST /continue_generation``: the documented order for a weight update.
+  (``model_path``, ``weight_version``, ``flush_cache``; answers ``success``,
+  ``message``), ``POST /continue_generation``: the documented order for a
+  weight update. ``/pause_generation`` takes ``mode`` (`PauseGenerationReqInput`):
+  ``"abort"`` (SGLang's default) aborts every request on the server,
+  ``"in_place"`` freezes them with their KV cache kept (a cache flush then
+  fails while any is running, so the reload is sent ``flush_cache: false``),
+  ``"retract"`` sends them back to the waiting queue, their KV cache freed
+  and recomputed after ``/continue_generation``.
 * ``GET /health``.
 * LoRA adapters (server started with ``--enable-lora``, ``--max-lora-rank``,
   ``--lora-target-modules``): ``POST /load_lora_adapter`` (``lora_name``,
@@ -43,6 +49,17 @@ Parameters", "Native APIs", "SGLang for RL Systems"; `io_struct.py`):
 
 Hot swap follows `inference.http_backend.HttpBackend`'s ordering contract
 (including its drain timeout: stragglers are aborted, then the swap goes on).
+A keep-mode swap pauses with ``mode: "retract"`` when `SwapPolicy.clear_kv`
+(every token after the swap computed by the new weights alone) and
+``"in_place"`` otherwise; a drain-mode swap sends the empty body it always
+has, SGLang's default mode (``"abort"``: requests of other clients still
+running are aborted; this client's are drained first). SGLang labels no
+single tokens (its ``meta_info.weight_version`` is the label when an
+answer is sent, not when each token was sampled), so `labels_tokens` is
+False: every generation is a stream, and a keep-mode swap marks where the
+new version began (`HttpBackend`). The pause modes are tested only against
+the stand-in server (`inference.stub_server --flavor sglang`, which follows
+the documented semantics): SGLang has no CPU build to test against here.
 """
 
 from __future__ import annotations
@@ -58,7 +75,7 @@ from inference.backend import BackendError
 from inference.http_backend import HttpBackend, Tokens
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
-from inference.types import FinishReason, GenerateRequest
+from inference.types import FinishReason, GenerateRequest, SwapPolicy
 from inference.weight_source import CollectiveSource, open_transfer
 
 
@@ -137,19 +154,26 @@ class SGLangBackend(HttpBackend):
             seen = total
             yield (pairs[len(pairs) - new :] if new else []), finish_of(meta)
 
-    async def _pause(self) -> None:
-        await self._control("/pause_generation", json={})
+    _kv_kept = False  # paused "in_place": a cache flush would fail while requests run
+
+    async def _pause(self, policy: SwapPolicy) -> None:
+        body: dict[str, Any] = {}  # drain: the server's default, as always
+        if policy.mode == "keep":
+            body["mode"] = "retract" if policy.clear_kv else "in_place"
+        self._kv_kept = body.get("mode") == "in_place"
+        await self._control("/pause_generation", json=body)
 
     async def _reload(self, checkpoint_dir: Path, version: int) -> None:
-        resp = await self._control(
-            "/update_weights_from_disk",
-            json={"model_path": str(checkpoint_dir), "weight_version": str(version)},
-        )
-        body = json_body(resp, "SGLang /update_weights_from_disk") if resp.content else None
-        if not (isinstance(body, dict) and body.get("success")):
-            raise BackendError(f"SGLang refused the weights: {body}")
+        body: dict[str, Any] = {"model_path": str(checkpoint_dir), "weight_version": str(version)}
+        if self._kv_kept:
+            body["flush_cache"] = False
+        resp = await self._control("/update_weights_from_disk", json=body)
+        answer = json_body(resp, "SGLang /update_weights_from_disk") if resp.content else None
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise BackendError(f"SGLang refused the weights: {answer}")
 
     async def _resume(self) -> None:
+        self._kv_kept = False
         await self._control("/continue_generation", json={})
 
     async def _receive(self, source: CollectiveSource, version: int) -> None:
@@ -177,7 +201,8 @@ class SGLangBackend(HttpBackend):
                     "names": names,
                     "dtypes": dtypes,
                     "shapes": shapes,
-                    "flush_cache": True,  # the prefix cache holds the old weights' KV
+                    # the prefix cache holds the old weights' KV, unless it is to be kept
+                    "flush_cache": not self._kv_kept,
                     "weight_version": str(version),
                     **group,
                 },

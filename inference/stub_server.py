@@ -5,18 +5,36 @@ and implements only the subset rlgate uses, with no model behind it:
 
 * ``--flavor vllm``: ``POST /v1/completions`` (token-id ``prompt``,
   ``return_token_ids``, ``logprobs``, ``stream``; ``model`` the served model
-  or a loaded adapter's name), ``GET /v1/models``, ``GET /health``,
-  ``POST /pause``, ``POST /resume``, ``POST /collective_rpc`` with method
-  ``reload_weights``, ``POST /update_weight_version``, and (unless
+  or a loaded adapter's name), ``POST /inference/v1/generate`` (vLLM 0.32's
+  token-in/token-out API: ``token_ids``, ``sampling_params``, ``model``,
+  ``stream``; each choice's ``weight_versions`` labels every output token
+  with the weight version label current when it was sampled, in the final
+  chunk when streaming), ``GET /v1/models``, ``GET /health``,
+  ``POST /pause`` (``mode`` ``keep`` or ``wait``, ``clear_cache``),
+  ``POST /resume``, ``POST /collective_rpc`` with method
+  ``reload_weights``, ``POST /update_weight_version`` (``new_version``:
+  the label), and (unless
   ``--no-lora``) ``POST /v1/load_lora_adapter`` (``lora_name``,
   ``lora_path``, ``load_inplace``), ``POST /v1/unload_lora_adapter``;
   ``POST /v1/chat/completions`` answers text without a tokenizer (for
   proxies measured against the same backend, not for rlgate).
 * ``--flavor sglang``: ``POST /generate`` (``input_ids``, ``sampling_params``,
   ``return_logprob``, ``stream``, ``lora_path`` naming a loaded adapter),
-  ``GET /health``, ``GET /get_model_info``, ``POST /pause_generation``,
-  ``POST /continue_generation``, ``POST /update_weights_from_disk``,
-  ``POST /load_lora_adapter``, ``POST /unload_lora_adapter``.
+  ``GET /health``, ``GET /get_model_info``, ``POST /pause_generation``
+  (``mode`` ``in_place`` or ``retract``), ``POST /continue_generation``,
+  ``POST /update_weights_from_disk`` (``flush_cache``; with requests frozen
+  ``in_place`` a flush fails, as SGLang documents), ``POST /load_lora_adapter``,
+  ``POST /unload_lora_adapter``.
+
+Pause modes. ``keep`` (vLLM) and ``in_place``/``retract`` (SGLang) freeze
+the requests in flight between two tokens until the resume: no token is
+sampled inside the pause (``/stub/state`` counts any that were, in
+``tokens_while_paused``, so a benchmark can check 0), and the tokens after
+it come from the weights loaded meanwhile. With no mode, or ``wait``, the
+requests in flight go on (the caller drained its own) and only new ones
+wait. There is no KV cache: ``clear_cache`` and the two SGLang modes differ
+only in what ``/stub/state`` records (``pause``). vLLM's and SGLang's own
+default, ``abort``, is refused (400): nothing here uses it.
 
 Output is deterministic: token i of a request is a function of the prompt,
 i, the weights version and the adapter it names (its name and directory,
@@ -46,7 +64,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -57,6 +75,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 logger = logging.getLogger(__name__)
 
 FLAVORS = ("vllm", "sglang")  # the server APIs this stand-in speaks
+FREEZING = ("keep", "in_place", "retract")  # pause modes that freeze requests between tokens
+PAUSE_MODES = (*FREEZING, "wait")
 OPEN_PATHS = ("/health", "/stub/state")  # answered without the API key
 
 
@@ -86,7 +106,7 @@ class StubConfig:
 
 
 class StubState:
-    """The served weights version, the pause switch and counters."""
+    """The served weights version, its label, the pause switch and counters."""
 
     def __init__(self, cfg: StubConfig) -> None:
         self.cfg = cfg
@@ -95,6 +115,8 @@ class StubState:
         self.weight_version_label: str | None = None
         self.resumed = asyncio.Event()
         self.resumed.set()
+        self.pause: dict[str, Any] | None = None  # how it is paused now: mode and flags
+        self.tokens_while_paused = 0  # sampled while paused: never, unless a pause is broken
         self.requests = 0
         self.in_flight = 0
         self.reloads = 0
@@ -122,10 +144,20 @@ class StubState:
         path = self.adapters.get(adapter)
         return None if path is None else adapter_salt(adapter, path)
 
+    @property
+    def label(self) -> str:
+        """The weight version label tokens sampled now carry (the served version until one
+        is set: `/update_weight_version`, SGLang's `weight_version`)."""
+        return self.weight_version_label or str(self.version)
+
+    def frozen(self) -> bool:
+        return self.pause is not None and self.pause["mode"] in FREEZING
+
     async def sample(
         self, prompt: list[int], max_tokens: int, stop_ids: set[int], salt: int = 0
-    ) -> AsyncIterator[tuple[int, float, str | None]]:
-        """(token, logprob, finish reason on the last token) with the configured latencies."""
+    ) -> AsyncIterator[tuple[int, float, str | None, str]]:
+        """(token, logprob, finish reason on the last token, weight version label) with the
+        configured latencies; a freezing pause holds it between two tokens."""
         await self.resumed.wait()
         self.requests += 1
         self.in_flight += 1
@@ -135,9 +167,14 @@ class StubState:
             for i in range(n):
                 if i and self.cfg.token_latency_ms:
                     await asyncio.sleep(self.cfg.token_latency_ms / 1000)
+                while self.frozen():
+                    await self.resumed.wait()
+                # nothing awaits from here to the yield: the pause cannot split a token
+                if not self.resumed.is_set():
+                    self.tokens_while_paused += 1
                 tok, lp = self.token(prompt, i, salt)
                 finish = "stop" if tok in stop_ids else ("length" if i == n - 1 else None)
-                yield tok, lp, finish
+                yield tok, lp, finish, self.label
                 if finish:
                     return
         finally:
@@ -181,6 +218,8 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
             "weights_path": state.weights_path,
             "weight_version": state.weight_version_label,
             "paused": not state.resumed.is_set(),
+            "pause": state.pause,
+            "tokens_while_paused": state.tokens_while_paused,
             "requests": state.requests,
             "in_flight": state.in_flight,
             "reloads": state.reloads,
@@ -191,10 +230,22 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
 
 
 Tok = tuple[int, float]  # (token id, logprob)
+Sample = AsyncIterator[tuple[int, float, str | None, str]]
+
+
+def label_spans(labels: list[str]) -> list[dict[str, Any]]:
+    """vLLM's `weight_versions`: contiguous [start, end) spans of output tokens per label."""
+    spans: list[dict[str, Any]] = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": label, "start": i, "end": i + 1})
+    return spans
 
 
 async def sampled_answer(
-    sample: AsyncIterator[tuple[int, float, str | None]],
+    sample: Sample,
     stream: bool,
     chunk: Callable[[list[Tok], str | None], dict],
     whole: Callable[[list[Tok], str], dict],
@@ -205,7 +256,7 @@ async def sampled_answer(
 
         async def events() -> AsyncIterator[str]:
             toks: list[Tok] = []
-            async for tok, lp, finish in sample:
+            async for tok, lp, finish, _ in sample:
                 toks.append((tok, lp))
                 yield sse(chunk(toks, finish))
             yield "data: [DONE]\n\n"
@@ -213,24 +264,36 @@ async def sampled_answer(
         return StreamingResponse(events(), media_type="text/event-stream")
     toks: list[Tok] = []
     finish = "length"
-    async for tok, lp, fin in sample:
+    async for tok, lp, fin, _ in sample:
         toks.append((tok, lp))
         finish = fin or finish
     return whole(toks, finish)
 
 
 def add_pause_routes(
-    app: FastAPI, state: StubState, pause: str, resume: str, answer: Callable[[str], dict]
+    app: FastAPI,
+    state: StubState,
+    pause: str,
+    resume: str,
+    answer: Callable[[str], dict],
+    mode_of: Callable[[Request], Awaitable[dict[str, Any]]],
 ) -> None:
-    """The flavor's pause and resume paths (`answer` of "paused"/"continued": its body)."""
+    """The flavor's pause and resume paths (`answer` of "paused"/"continued": its body;
+    `mode_of`: the pause's mode and flags from its request, mode None for the default)."""
 
     @app.post(pause)
-    async def paused() -> JSONResponse:
+    async def paused(request: Request) -> JSONResponse:
+        how = await mode_of(request)
+        mode = how["mode"] = how.get("mode") or "wait"
+        if mode not in PAUSE_MODES:
+            return error(f"stub: pause mode {mode!r} is not supported ({PAUSE_MODES})", 400)
+        state.pause = how
         state.resumed.clear()
         return JSONResponse(answer("paused"))
 
     @app.post(resume)
     async def resumed() -> JSONResponse:
+        state.pause = None
         state.resumed.set()
         return JSONResponse(answer("continued"))
 
@@ -249,7 +312,12 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
 
     if cfg.lora:
         add_vllm_lora_routes(app, state)
-    add_pause_routes(app, state, "/pause", "/resume", lambda _: {})
+
+    async def pause_query(request: Request) -> dict[str, Any]:
+        clear = request.query_params.get("clear_cache", "true").lower() == "true"
+        return {"mode": request.query_params.get("mode"), "clear_cache": clear}
+
+    add_pause_routes(app, state, "/pause", "/resume", lambda _: {}, pause_query)
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> JSONResponse:
@@ -262,10 +330,13 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = await request.json() if await request.body() else {}
-        state.weight_version_label = str(body.get("version", body.get("weight_version")))
-        return JSONResponse({})
+        if not isinstance(body.get("new_version"), str):
+            return error("stub: new_version (a string) is required", 422)
+        state.weight_version_label = body["new_version"]
+        return JSONResponse({"success": True, "new_version": body["new_version"]})
 
     add_vllm_completions_route(app, state)
+    add_vllm_generate_route(app, state)
     add_vllm_chat_route(app, state)
 
 
@@ -329,6 +400,77 @@ def add_vllm_completions_route(app: FastAPI, state: StubState) -> None:
         )
 
 
+def add_vllm_generate_route(app: FastAPI, state: StubState) -> None:
+    """`POST /inference/v1/generate`, vLLM 0.32's token-in/token-out API (`output_mode`
+    "tokens"), with each choice's `weight_versions`."""
+    cfg = state.cfg
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request) -> Any:
+        if (full := state.overloaded()) is not None:
+            return full
+        body = await request.json()
+        prompt = body.get("token_ids")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return error("stub: token_ids must be a non-empty list of token ids", 400)
+        sp = body.get("sampling_params")
+        if not isinstance(sp, dict):
+            return error("stub: sampling_params is required", 400)
+        model = body.get("model")
+        salt = 0 if model in (None, cfg.model) else state.salt_of(model)
+        if salt is None:
+            return error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        max_tokens = int(sp.get("max_tokens") or 16)
+        stop_ids = set(sp.get("stop_token_ids") or [])
+        want_lp = sp.get("logprobs") is not None
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        sample = state.sample(prompt, max_tokens, stop_ids, salt)
+
+        def choice(toks: list[Tok], finish: str | None) -> dict[str, Any]:
+            c: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": [t for t, _ in toks],
+                "logprobs": None,
+            }
+            if want_lp:
+                content = [{"token_id": t, "logprob": lp, "top_logprobs": []} for t, lp in toks]
+                c["logprobs"] = {"content": content}
+            return c
+
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[str]:
+                labels: list[str] = []
+                async for tok, lp, finish, label in sample:
+                    labels.append(label)
+                    c = choice([(tok, lp)], finish)
+                    if finish:  # the final chunk covers the whole output
+                        c["weight_versions"] = label_spans(labels)
+                    yield sse({"request_id": rid, "output_mode": "tokens", "choices": [c]})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        toks: list[Tok] = []
+        labels: list[str] = []
+        finish = "length"
+        async for tok, lp, fin, label in sample:
+            toks.append((tok, lp))
+            labels.append(label)
+            finish = fin or finish
+        c = {**choice(toks, finish), "weight_versions": label_spans(labels)}
+        n = len(toks)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
+        return {
+            "request_id": rid,
+            "model": cfg.model,
+            "output_mode": "tokens",
+            "choices": [c],
+            "usage": {**usage, "total_tokens": len(prompt) + n},
+        }
+
+
 def add_vllm_chat_route(app: FastAPI, state: StubState) -> None:
     """`POST /v1/chat/completions`, token-agnostic: for proxies that forward chat as chat.
 
@@ -354,14 +496,14 @@ def add_vllm_chat_route(app: FastAPI, state: StubState) -> None:
         if body.get("stream"):
 
             async def events() -> AsyncIterator[str]:
-                async for tok, _, finish in state.sample(prompt, max_tokens, set()):
+                async for tok, _, finish, _ in state.sample(prompt, max_tokens, set()):
                     delta = {"role": "assistant", "content": text_of(tok)}
                     c = {"index": 0, "delta": delta, "finish_reason": finish}
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [c]})
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        toks = [tok async for tok, _, _ in state.sample(prompt, max_tokens, set())]
+        toks = [tok async for tok, _, _, _ in state.sample(prompt, max_tokens, set())]
         message = {"role": "assistant", "content": "".join(text_of(t) for t in toks)}
         n = len(toks)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
@@ -403,12 +545,17 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
     async def model_info() -> dict[str, Any]:
         return {"model_path": state.weights_path or cfg.model, "is_generation": True}
 
+    async def pause_body(request: Request) -> dict[str, Any]:
+        body = await request.json() if await request.body() else {}
+        return {"mode": body.get("mode")}
+
     add_pause_routes(
         app,
         state,
         "/pause_generation",
         "/continue_generation",
         lambda done: {"message": f"Generation {done} successfully.", "status": "ok"},
+        pause_body,
     )
 
     @app.post("/update_weights_from_disk")
@@ -416,6 +563,10 @@ def add_sglang_routes(app: FastAPI, state: StubState) -> None:
         body = await request.json()
         if not body.get("model_path"):
             return JSONResponse({"success": False, "message": "model_path is required"}, 400)
+        in_place = state.pause is not None and state.pause["mode"] == "in_place"
+        if body.get("flush_cache", True) and in_place and state.in_flight:
+            msg = "Failed to flush cache: requests are running (paused in_place)"
+            return JSONResponse({"success": False, "message": msg}, 400)
         state.reload(body["model_path"])
         state.weight_version_label = body.get("weight_version")
         msg = "Succeeded to update model weights."

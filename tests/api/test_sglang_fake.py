@@ -22,7 +22,7 @@ from inference.http_common import HttpBackendConfig
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.sglang_http import SGLangBackend
 from inference.stub_server import StubConfig, StubState, launch
-from inference.types import GenerateRequest, SamplingParams
+from inference.types import DRAIN, GenerateRequest, SamplingParams
 from rlgate.stack import free_port, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -115,13 +115,13 @@ async def test_stream_cancel_keeps_the_partial_result(fake_sglang: str) -> None:
     await be.close()
 
 
-async def test_hot_swap_drains_then_serves_the_new_version(
+async def test_drain_swap_drains_then_serves_the_new_version(
     fake_sglang: str, tmp_path: Path
 ) -> None:
     be = backend(fake_sglang)
     in_flight = asyncio.create_task(be.generate(req(3)))
     await asyncio.sleep(0.05)
-    await be.load_weights(tmp_path / "v1", 1)
+    await be.load_weights(tmp_path / "v1", 1, DRAIN)
     old = await in_flight
     assert old.policy_version == 0, "a request running at swap time finishes on its version"
     assert old.output_token_ids == expected(PROMPT, 3, 0)[0]
@@ -131,6 +131,7 @@ async def test_hot_swap_drains_then_serves_the_new_version(
     state = httpx.get(fake_sglang + "/stub/state").json()
     assert state["weights_path"] == str(tmp_path / "v1")
     assert state["weight_version"] == "1" and state["paused"] is False
+    assert state["pause"] is None and state["tokens_while_paused"] == 0
     await be.close()
 
 
@@ -186,7 +187,7 @@ async def test_swap_aborts_stragglers_after_the_drain_timeout(
         async for token, _ in stream.tokens():
             got.append(token)
             if swap is None:  # mid-stream: swap now
-                swap = asyncio.create_task(be.load_weights(tmp_path / "v1", 1))
+                swap = asyncio.create_task(be.load_weights(tmp_path / "v1", 1, DRAIN))
     assert swap is not None
     await swap
     with pytest.raises(BackendError, match="drain timeout"):

@@ -1,8 +1,11 @@
 """The HTTP backends' sampling calls over aiohttp: answers, error mapping, resend, cancel.
 
-A real asyncio TCP server on loopback plays vLLM: `/v1/models` is answered
-(httpx, the control client), and each `/v1/completions` by the next action of
-a script (aiohttp, the sampling client).
+A real asyncio TCP server on loopback plays an inference server: every GET is
+answered (httpx, the control client), and each POST by the next action of a
+script (aiohttp, the sampling client). The backend is the smallest
+`HttpBackend` (`Plain`), so these tests pin the shared sampling path, not one
+server's wire format; `Unlabelled` is the same server without per-token
+version labels, whose non-streaming calls go out as streams.
 """
 
 from __future__ import annotations
@@ -10,20 +13,62 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from inference.backend import BackendError, BackendOverloaded
+from inference.http_backend import HttpBackend, Tokens
 from inference.http_common import HttpBackendConfig
-from inference.types import GenerateRequest, SamplingParams
-from inference.vllm_http import VLLMBackend
+from inference.types import FinishReason, GenerateRequest, SamplingParams, SwapPolicy
 
 # One completion's action: answers (or not) on `writer`; False closes the connection.
 Action = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
 
 MODELS = {"data": [{"id": "m", "max_model_len": 512}]}
 REQ = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=4))
+
+
+class Plain(HttpBackend):
+    """POST /generate `{"prompt", "stream"}`; answers `{"choices": [_choice(...)]}`, one per
+    event when streaming. It says it labels tokens, so `generate` is one JSON call."""
+
+    name = "Plain"
+    labels_tokens = True
+
+    @staticmethod
+    def _read(answer: Any) -> tuple[Tokens, FinishReason | None]:
+        choice = answer["choices"][0]
+        lps = choice["logprobs"]["token_logprobs"]
+        return list(zip(choice["token_ids"], lps, strict=True)), choice["finish_reason"]
+
+    async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
+        body = {"prompt": request.prompt_token_ids, "stream": False}
+        tokens, finish = self._read(await self._post("/generate", body))
+        assert finish is not None
+        return tokens, finish
+
+    async def _stream_tokens(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[tuple[Tokens, FinishReason | None]]:
+        body = {"prompt": request.prompt_token_ids, "stream": True}
+        async for event in self._events("/generate", body):
+            yield self._read(event)
+
+    async def _pause(self, policy: SwapPolicy) -> None:
+        raise AssertionError("no swap here")
+
+    async def _reload(self, checkpoint_dir: Path, version: int) -> None:
+        raise AssertionError("no swap here")
+
+    async def _resume(self) -> None:
+        raise AssertionError("no swap here")
+
+
+class Unlabelled(Plain):
+    labels_tokens = False
 
 
 def _choice(tokens: list[int], finish: str | None) -> dict:
@@ -106,7 +151,7 @@ class Server:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                method, path = head.split(b" ")[:2]
+                method = head.split(b" ")[0]
                 length = next(
                     (
                         int(line.split(b":")[1])
@@ -116,7 +161,7 @@ class Server:
                     0,
                 )
                 body = await reader.readexactly(length)
-                if method == b"GET" and path == b"/v1/models":
+                if method == b"GET":
                     await answer(200, MODELS)(reader, writer)
                     continue
                 self.bodies.append(json.loads(body))
@@ -128,8 +173,8 @@ class Server:
             writer.close()
 
 
-def _backend(url: str, **cfg: float) -> VLLMBackend:
-    return VLLMBackend(HttpBackendConfig(base_url=url, **cfg))  # type: ignore[arg-type]
+def _backend(url: str, **cfg: float) -> Plain:
+    return Plain(HttpBackendConfig(base_url=url, **cfg))  # type: ignore[arg-type]
 
 
 async def test_a_json_answer_and_the_connection_kept_alive() -> None:
@@ -143,7 +188,21 @@ async def test_a_json_answer_and_the_connection_kept_alive() -> None:
         finally:
             await backend.close()
     assert server.bodies[0]["prompt"] == [1, 2, 3] and server.bodies[0]["stream"] is False
-    assert server.connections == 2  # httpx's for /v1/models, aiohttp's for both completions
+    assert server.connections == 1  # aiohttp's, for both completions
+
+
+async def test_a_server_without_labels_gets_every_call_as_a_stream() -> None:
+    events = [{"choices": [_choice([t], None)]} for t in (7, 8)]
+    events.append({"choices": [_choice([9], "stop")]})
+    async with Server(sse(events)) as server:
+        backend = Unlabelled(HttpBackendConfig(base_url=server.url))
+        try:
+            result = await backend.generate(REQ)
+        finally:
+            await backend.close()
+    assert server.bodies[0]["stream"] is True  # so that a keep-mode swap can mark it
+    assert result.output_token_ids == [7, 8, 9] and result.finish_reason == "stop"
+    assert result.policy_version == 0 and result.version_starts == ()
 
 
 async def test_a_stream_and_its_connection_back_to_the_pool() -> None:
@@ -159,11 +218,11 @@ async def test_a_stream_and_its_connection_back_to_the_pool() -> None:
         finally:
             await backend.close()
     assert server.bodies[0]["stream"] is True
-    assert server.connections == 2  # the second stream reused the first one's connection
+    assert server.connections == 1  # the second stream reused the first one's connection
 
 
 async def test_an_error_event_fails_the_stream() -> None:
-    events = [{"choices": [_choice([7], None)]}, {"error": {"message": "engine died"}}]
+    events: list[dict] = [{"choices": [_choice([7], None)]}, {"error": {"message": "engine died"}}]
     async with Server(sse(events)) as server:
         backend = _backend(server.url)
         try:
@@ -216,7 +275,7 @@ async def test_a_second_drop_is_a_backend_error() -> None:
     async with Server(drop, drop) as server:
         backend = _backend(server.url)
         try:
-            with pytest.raises(BackendError, match=re.escape("vLLM at http://127.0.0.1")):
+            with pytest.raises(BackendError, match=re.escape("Plain at http://127.0.0.1")):
                 await backend.generate(REQ)
         finally:
             await backend.close()
@@ -227,11 +286,11 @@ async def test_a_refused_connection_is_a_backend_error_naming_the_server() -> No
     async with Server() as server:
         backend = _backend(server.url)
         try:
-            await backend.server_info()  # over httpx, before the server stops listening
+            assert await backend.health()  # over httpx, before the server stops listening
             url = server.url
             assert server.server is not None
             server.server.close()
-            refused = re.escape(f"vLLM at {url}: ClientConnectorError")
+            refused = re.escape(f"Plain at {url}: ClientConnectorError")
             with pytest.raises(BackendError, match=refused):
                 await backend.generate(REQ)
         finally:
