@@ -1,7 +1,8 @@
 """Several inference servers behind one `Backend`: routing, health, failover, rolling swap.
 
-Routing. A request goes to the routable replica (healthy, not being reloaded)
-with the fewest outstanding requests; ties go to the one picked least
+Routing. A request goes to the routable replica (healthy, not drained for a
+reload, and not paused for one unless every other is) with the fewest
+outstanding requests; ties go to the one picked least
 recently (round robin). A request with an `affinity` (the gateway passes the
 episode id) goes back to the replica that served its episode before, for
 prefix-cache reuse, as long as that replica is routable and has at most
@@ -24,19 +25,32 @@ no replica is routable the call raises `BackendError` (the gateway answers
 503, retryable). `BackendOverloaded` from one replica moves the request to
 another without taking the replica out.
 
-Versions. Every result carries the version of the replica that sampled it
-(`GenerateResult.policy_version`), so replicas may briefly serve different
-versions; `version` is the lowest version a routable replica serves.
+Versions. Every result carries the versions of the replica that sampled it
+(`GenerateResult.policy_version`, and `version_starts` when a keep-mode swap
+happened during it), so replicas may briefly serve different versions;
+`version` is the lowest version a routable replica serves.
 
-Rolling swap. `load_weights` reloads one replica at a time: it is taken out
-of routing, its outstanding requests drain (up to `drain_timeout_s`), it
-loads, and it goes back in before the next one starts, so the others keep
-serving and there is no global pause. With a single routable replica, the
-load happens in place and that backend's own ordering contract applies.
+Rolling swap. `load_weights` reloads one replica at a time, so the others
+keep serving and there is no global pause; what a replica does with the
+requests it is generating follows the swap's `SwapPolicy`:
+
+* `keep` (the default): the replica reloads in place. New calls are routed
+  to the other replicas while it is paused for the reload (a call waits on a
+  paused server, for the reload only, when no other is routable, e.g. a
+  retry after a failure elsewhere); its in-flight requests stay
+  on it, pause between two tokens, and go on with the new version, each
+  result saying where every version began (`GenerateResult.version_starts`).
+* `drain`: the replica is taken out of routing, its outstanding requests
+  finish on the old weights (up to `drain_timeout_s`), it loads, and it goes
+  back in before the next one starts.
+
+With a single routable replica the load happens in place either way, and
+that backend's own ordering contract applies.
 
 LoRA adapters (`inference.backend.AdapterBackend`, when every replica's
 backend is one). A request naming an adapter goes only to replicas that
-serve it. `load_adapter` rolls the same way, one replica at a time, but for
+serve it. `load_adapter` rolls the same way, one replica at a time and with
+the same `SwapPolicy` (passed to the replica's own `load_adapter`), but for
 that adapter only: while a replica swaps it, the adapter's requests go to the
 others (if none has it, they wait at that replica's adapter gate), and the
 replica's other traffic is untouched. `unload_adapter` drops it everywhere.
@@ -52,14 +66,14 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from core.config import ReplicaConfig
 from inference.backend import AdapterBackend, Backend, BackendError, BackendOverloaded, TokenStream
 from inference.swap import ServerClient, WeightsSource
-from inference.types import GenerateRequest, GenerateResult
+from inference.types import KEEP, GenerateRequest, GenerateResult, SwapPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +88,8 @@ class Replica(Generic[B]):
     backend: B
     url: str | None = None
     healthy: bool = True
-    loading: bool = False  # out of routing while a rolling swap reloads it
+    loading: bool = False  # out of routing while a drain-mode roll drains and reloads it
+    paused: bool = False  # a keep-mode reload: routed to only when no other replica is
     outstanding: int = 0
     served: int = 0
     last_pick: int = 0  # when the router last chose it (a counter), for round-robin ties
@@ -117,7 +132,10 @@ class ReplicaSet(Generic[B]):
 
     A set of `ServerClient`s (HTTP servers other gateway processes may share) also
     offers the swap's steps apart (`quiesced`, `reload_quiesced`, `set_versions`), for
-    the barrier that agrees one reload with those processes.
+    the barrier that agrees one reload with those processes. There `keep` closes every
+    gate of the set (the barrier holds them shut until all processes agree) and each
+    server pauses every client's requests for its reload; a server that cannot label
+    tokens is drained instead (`shared_policy`).
     """
 
     def __init__(
@@ -175,8 +193,10 @@ class ReplicaSet(Generic[B]):
             raise BackendError("empty prompt")
         return ReplicaStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: WeightsSource, version: int) -> None:
-        """Rolling reload, one replica at a time (see the module docstring).
+    async def load_weights(
+        self, checkpoint_dir: WeightsSource, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Rolling reload, one replica at a time, `policy` as in the module docstring.
 
         Replicas that are out of routing are skipped: they get these weights
         when they come back. Raises `BackendError` after the roll if any
@@ -187,33 +207,44 @@ class ReplicaSet(Generic[B]):
         async with self._swap_lock():
 
             async def reload(replica: Replica[B]) -> None:
-                await self._reload_routed(replica, checkpoint_dir, version)
+                await self._reload_routed(replica, checkpoint_dir, version, policy)
 
             await self._roll(checkpoint_dir, version, reload)
 
     # --- a swap agreed with other clients of the same servers ---------------------
 
     @contextlib.asynccontextmanager
-    async def quiesced(self: ReplicaSet[ServerClient], what: str) -> AsyncIterator[None]:
-        """Every replica's client with its gate closed and none of its requests in flight
-        (`HttpBackend.quiesced`), until the block exits; no rolling swap meanwhile.
+    async def quiesced(
+        self: ReplicaSet[ServerClient], what: str, policy: SwapPolicy = KEEP
+    ) -> AsyncIterator[None]:
+        """Every replica's client with its gate closed until the block exits
+        (`HttpBackend.quiesced`); no rolling swap meanwhile.
 
-        All gates close first, then each replica drains, so requests stop at the gates
-        instead of moving to a replica that is still open.
+        `keep`: only the gates close; requests in flight go on (a reload inside, by
+        this client or another, pauses them on their server). `drain`: also none of
+        this client's requests in flight. A replica whose server does not label tokens
+        is drained even under `keep` (`shared_policy`).
         """
         async with self._swap_lock(), contextlib.AsyncExitStack() as stack:
             for replica in list(self._replicas):
-                await stack.enter_async_context(replica.backend.quiesced(what))
+                shared = shared_policy(replica.backend, policy)
+                await stack.enter_async_context(replica.backend.quiesced(what, shared))
             yield
 
     async def reload_quiesced(
-        self: ReplicaSet[ServerClient], source: WeightsSource, version: int
+        self: ReplicaSet[ServerClient],
+        source: WeightsSource,
+        version: int,
+        policy: SwapPolicy = KEEP,
     ) -> None:
         """Load `version` into every healthy replica behind, one after another; the caller
-        holds `quiesced`. Failures as in `load_weights` (the replica keeps its weights)."""
+        holds `quiesced` with the same `policy` (with `keep`, each server pauses the
+        requests in flight on it, every client's, for its reload, and they go on with
+        `version`). Failures as in `load_weights` (the replica keeps its weights)."""
 
         async def reload(replica: Replica[ServerClient]) -> None:
-            await replica.backend.reload_quiesced(source, version)
+            shared = shared_policy(replica.backend, policy)
+            await replica.backend.reload_quiesced(source, version, shared)
 
         await self._roll(source, version, reload)
 
@@ -240,8 +271,11 @@ class ReplicaSet(Generic[B]):
         ]
         return min(versions) if versions else None
 
-    async def load_adapter(self, name: str, adapter_dir: Path, version: int) -> None:
-        """Load or replace adapter `name` on every healthy replica, one at a time.
+    async def load_adapter(
+        self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        """Load or replace adapter `name` on every healthy replica, one at a time, each
+        with `policy` (the replica's own `load_adapter` keeps or drains its requests).
 
         Replicas out of routing get it when they come back. Raises
         `BackendError` after the roll if any replica failed; that replica
@@ -258,7 +292,7 @@ class ReplicaSet(Generic[B]):
                     continue
                 replica.swapping.add(name)
                 try:
-                    await replica.adapter_backend().load_adapter(name, adapter_dir, version)
+                    await replica.adapter_backend().load_adapter(name, adapter_dir, version, policy)
                 except Exception as exc:
                     failed.append(replica.name)
                     await self._on_adapter_failure(
@@ -342,7 +376,7 @@ class ReplicaSet(Generic[B]):
                     r.name,
                     r.url,
                     r.healthy,
-                    r.loading,
+                    r.loading or r.paused,
                     r.backend.version,
                     r.outstanding,
                     r.served,
@@ -377,6 +411,8 @@ class ReplicaSet(Generic[B]):
             serving = [r for r in candidates if r.adapter_version(adapter) is not None]
             # one that is swapping this adapter only if no other has it (the request then waits)
             candidates = [r for r in serving if adapter not in r.swapping] or serving
+        # one paused for its reload only if no other can take it (the request then waits)
+        candidates = [r for r in candidates if not r.paused] or candidates
         if not candidates:
             if last is not None:
                 raise last
@@ -542,19 +578,38 @@ class ReplicaSet(Generic[B]):
         return True
 
     async def _reload_routed(
-        self, replica: Replica[B], source: WeightsSource, version: int
+        self, replica: Replica[B], source: WeightsSource, version: int, policy: SwapPolicy
     ) -> None:
-        """Out of routing, drained, reloaded, back in; the last routable one reloads in place."""
+        """`drain`: out of routing while its outstanding requests finish and it reloads, then
+        back in (the last routable one drains and reloads in place, by its backend's own
+        contract). `keep`: paused, routed to only when no other replica can take a request,
+        while its backend reloads in place; its requests stay on it, paused by the reload,
+        and go on with `version`."""
         async with replica.lock:
             others = any(r.routable for r in self._replicas if r is not replica)
-            replica.loading = others
+            keep = policy.mode == "keep"
+            replica.paused, replica.loading = keep, others and not keep
             try:
-                if others:
+                if replica.loading:
                     await self._drain(replica)
-                await replica.backend.load_weights(source, version)
+                await replica.backend.load_weights(source, version, policy)
                 logger.info("replica %s now serves version %d", replica.name, version)
             finally:
-                replica.loading = False
+                replica.paused = replica.loading = False
+
+
+def shared_policy(server: ServerClient, policy: SwapPolicy) -> SwapPolicy:
+    """The policy a swap agreed with other clients of `server` applies to it: `policy`,
+    but `drain` for a server that does not label each token with its weights version.
+
+    In a shared `keep` swap the requests of the clients that did not reload go on
+    through the reload; they can only be labelled exactly by the server itself (their
+    client learns of the new version after the server resumed), so a server without
+    labels (`HttpBackend.labels_tokens` False, e.g. SGLang) is drained instead.
+    """
+    if policy.mode == "keep" and not getattr(server, "labels_tokens", False):
+        return replace(policy, mode="drain")
+    return policy
 
 
 class ReplicaStream(Generic[B]):

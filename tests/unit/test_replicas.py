@@ -10,7 +10,7 @@ import pytest
 
 from inference.backend import BackendError, BackendOverloaded
 from inference.replicas import ReplicaConfig, ReplicaSet
-from inference.types import GenerateRequest, GenerateResult, SamplingParams
+from inference.types import DRAIN, KEEP, GenerateRequest, GenerateResult, SamplingParams, SwapPolicy
 
 PROMPT = [1, 2, 3]
 
@@ -58,8 +58,11 @@ class FakeBackend:
         self.calls = 0
         self.active = 0
         self.loads: list[int] = []
+        self.policies: list[SwapPolicy] = []
         self.events: list[tuple[str, str]] | None = None
         self.gate: asyncio.Event | None = None  # when set, generate waits on it
+        self.load_gate: asyncio.Event | None = None  # when set, load_weights waits on it
+        self.active_at_load: list[int] = []  # requests in flight when each load began
 
     @property
     def version(self) -> int:
@@ -83,10 +86,17 @@ class FakeBackend:
         self.calls += 1
         return FakeStream(self, request)
 
-    async def load_weights(self, checkpoint_dir: Path, version: int) -> None:
+    async def load_weights(
+        self, checkpoint_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
         if self.events is not None:
             self.events.append(("load-start", self.name))
-        assert self.active == 0, "a replica must be drained before it reloads"
+        if policy.mode == "drain":
+            assert self.active == 0, "a replica must be drained before it reloads"
+        self.policies.append(policy)
+        self.active_at_load.append(self.active)
+        if self.load_gate is not None:
+            await self.load_gate.wait()
         await asyncio.sleep(0.05)
         self._version = version
         self.loads.append(version)
@@ -301,10 +311,11 @@ async def test_rolling_load_keeps_serving_and_results_carry_their_version(tmp_pa
 
     clients = [asyncio.create_task(client()) for _ in range(4)]
     await asyncio.sleep(0.05)
-    await rs.load_weights(tmp_path, 1)
+    await rs.load_weights(tmp_path, 1, DRAIN)
     stop.set()
     await asyncio.gather(*clients)
     assert [b.loads for b in backends] == [[1], [1], [1]]
+    assert all(b.policies == [DRAIN] for b in backends), "each replica gets the set's policy"
     loads = [e for e in events if e[0].startswith("load")]
     assert loads == [(k, n) for n in "abc" for k in ("load-start", "load-end")], "one at a time"
     # Requests kept being served while each replica reloaded (no global pause).
@@ -317,8 +328,31 @@ async def test_rolling_load_keeps_serving_and_results_carry_their_version(tmp_pa
     assert versions == {0, 1}
     assert rs.version == 1
     # A repeated load of the same version is a no-op.
-    await rs.load_weights(tmp_path, 1)
+    await rs.load_weights(tmp_path, 1, DRAIN)
     assert [b.loads for b in backends] == [[1], [1], [1]]
+    await rs.close()
+
+
+async def test_keep_reloads_in_place_and_routes_new_calls_to_the_others(tmp_path: Path) -> None:
+    a, b = FakeBackend("a", 1), FakeBackend("b", 2)
+    a.gate, a.load_gate = asyncio.Event(), asyncio.Event()
+    rs = make(a, b)
+    on_a = asyncio.create_task(rs.generate(req()))
+    while a.active == 0:
+        await asyncio.sleep(0)
+    roll = asyncio.create_task(rs.load_weights(tmp_path, 1))  # keep is the default
+    while not a.active_at_load:
+        await asyncio.sleep(0)
+    assert a.active_at_load == [1], "keep does not wait for a's request before reloading"
+    # a is paused for its reload: every new call goes to b and finishes meanwhile
+    during = await asyncio.gather(*(rs.generate(req()) for _ in range(3)))
+    assert [r.output_token_ids[0] for r in during] == [2, 2, 2] and not on_a.done()
+    assert [s["loading"] for s in rs.replica_status()] == [True, False]
+    a.load_gate.set()
+    a.gate.set()
+    await roll
+    assert (await on_a).output_token_ids[0] == 1
+    assert (a.policies, b.policies) == ([KEEP], [KEEP]) and rs.version == 1
     await rs.close()
 
 
@@ -355,7 +389,7 @@ async def test_failed_load_keeps_old_weights_and_backs_off(tmp_path: Path) -> No
     a, b = FakeBackend("a", 1), FakeBackend("b", 2)
     calls: list[str] = []
 
-    async def broken(checkpoint_dir: Path, version: int) -> None:
+    async def broken(checkpoint_dir: Path, version: int, policy: SwapPolicy = KEEP) -> None:
         calls.append("a")
         raise BackendError("bad checkpoint")
 
