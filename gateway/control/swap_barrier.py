@@ -4,7 +4,9 @@ Several gateway processes (`rlgate up --workers N`, or several hosts) each
 hold their own clients of a run's inference servers. If each reloaded the
 servers at its own time, a process that has not swapped yet would keep
 sending requests to a server that already runs N+1 and label them N. So one
-process reloads, and none has a request in flight on a server while it does.
+process reloads, every process's gates are closed while it does, and the
+requests in flight either finish first (`drain`) or are paused by the server
+and go on with N+1, each token labelled with its version (`keep`).
 
 The lock. Per run, a PostgreSQL advisory lock used as a reader/writer lock
 (`SWAP_CLASS` and a hash of the schema and run id), each process on a
@@ -16,13 +18,17 @@ connection of its own per run it serves:
   released its shared hold; shared requests made meanwhile queue behind the
   waiting exclusive one, so a swap is never starved.
 
-The swap (`swap`), in every process whose `SwapLoop` sees a newer version:
+The swap (`swap(source, version, policy)`), in every process whose `SwapLoop`
+sees a newer version:
 
-1. close this process's gates and drain its requests (`ReplicaSet.quiesced`);
+1. close this process's gates (`ReplicaSet.quiesced`); with `drain`, also
+   wait for its requests in flight to finish; with `keep` they go on;
 2. release shared, wait for exclusive (every other process has done step 1);
 3. read each server's version (`run_replicas.served_version`); a server behind
    is reloaded (only the first process through finds one), and what it now
-   holds is written back before the lock goes;
+   holds is written back before the lock goes. With `keep` the server pauses
+   every process's requests in flight between two tokens for the reload, and
+   they go on with the new weights;
 4. release exclusive, take shared again, adopt the recorded versions as this
    process's labels, open the gates.
 
@@ -32,10 +38,20 @@ process that joined during the swap holds shared at the new version and has
 no reason to release it; a late process queued behind it would otherwise
 wait for it forever.
 
-So each server is reloaded once per version, and a completion's version is
-the one its server held from its first token to its last. Requests wait at
-the gates from the moment the first process notices the version until the
-last one has (`RLGATE_SYNC_INTERVAL_S`), plus the drain and the reload.
+So each server is reloaded once per version, and every token records the
+version that sampled it. With `drain` a completion's version is the one its
+server held from its first token to its last. With `keep` a completion that
+lived through the reload says where the new version began
+(`GenerateResult.version_starts`): the reloading process marks its own
+requests while the server is paused, and the others' requests are labelled
+by the server itself (its per-token weight-version labels, which win over a
+client's marks), since their clients learn of the version only after the
+server resumed. A server that labels no tokens (SGLang) is therefore drained
+under a shared swap whatever the policy (`inference.replicas.shared_policy`).
+New requests wait at the gates from the moment the first process notices the
+version until the last one has (`RLGATE_SYNC_INTERVAL_S`), plus the reload
+(and, with `drain`, the drain); requests already generating wait only for
+the reload (`keep`).
 
 Joining. The first process to serve a run (no one else holds the lock:
 `pg_try_advisory_lock` succeeds) brings the servers to the run's version as a
@@ -77,6 +93,7 @@ from sqlalchemy.pool import NullPool
 
 from core.store.db import normalize_url
 from inference.swap import ServerSwaps, SharedReplicas, SoleServerSwaps, Swapper, WeightsSource
+from inference.types import KEEP, SwapPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +212,15 @@ class SwapBarrier:
         return BarrierSwap(self, run_id, replicas)
 
     async def swap(
-        self, run_id: str, replicas: SharedReplicas, source: WeightsSource, version: int
+        self,
+        run_id: str,
+        replicas: SharedReplicas,
+        source: WeightsSource,
+        version: int,
+        policy: SwapPolicy = KEEP,
     ) -> None:
-        """Bring this process's clients to `version`, reloading the servers if no one has."""
+        """Bring this process's clients to `version`, reloading the servers if no one has;
+        `policy` says what the requests in flight do (module docstring)."""
         lock = self._locks.get(run_id)
         if lock is None:
             raise RuntimeError(f"run {run_id}: its swap lock is not held (check first)")
@@ -205,7 +228,7 @@ class SwapBarrier:
         if tried and tried[0] == version and time.monotonic() - tried[1] < self.retry_s:
             return
         try:
-            await self._swap(run_id, lock, replicas, source, version)
+            await self._swap(run_id, lock, replicas, source, version, policy)
         finally:
             if replicas.version < version:
                 self._tried[run_id] = (version, time.monotonic())
@@ -219,17 +242,19 @@ class SwapBarrier:
         replicas: SharedReplicas,
         source: WeightsSource,
         version: int,
+        policy: SwapPolicy,
     ) -> None:
         def done(recorded: dict[str, int]) -> bool:
             return _caught_up(recorded, replicas, version)
 
-        async with replicas.quiesced(f"swap to v{version} with the other gateway processes"):
+        what = f"swap to v{version} with the other gateway processes"
+        async with replicas.quiesced(what, policy):
             failed: BaseException | None = None
             try:
                 await lock.release_shared()
                 if await lock.exclusive_unless(done, self.poll_s):
                     try:
-                        await self._swap_exclusive(lock, replicas, source, version)
+                        await self._swap_exclusive(lock, replicas, source, version, policy)
                     except Exception as exc:  # a server failed to load: serve on, then raise
                         failed = exc
                     await lock.release_exclusive()
@@ -244,7 +269,12 @@ class SwapBarrier:
                 raise failed
 
     async def _swap_exclusive(
-        self, lock: RunLock, replicas: SharedReplicas, source: WeightsSource, version: int
+        self,
+        lock: RunLock,
+        replicas: SharedReplicas,
+        source: WeightsSource,
+        version: int,
+        policy: SwapPolicy,
     ) -> None:
         recorded = await lock.recorded()
         replicas.set_versions(recorded, (source, version))
@@ -252,14 +282,16 @@ class SwapBarrier:
             logger.info("run %s: v%d adopted (another process loaded it)", lock.run_id, version)
             return
         try:
-            await replicas.reload_quiesced(source, version)  # only the servers still behind
+            # only the servers still behind
+            await replicas.reload_quiesced(source, version, policy)
         finally:
             await lock.record(replicas.versions())
 
-    async def check(self, run_id: str, replicas: SharedReplicas) -> None:
+    async def check(self, run_id: str, replicas: SharedReplicas, policy: SwapPolicy = KEEP) -> None:
         """Hold the run's lock again if its connection died (a database restart took the lock
-        with the session): with this process's requests drained, take shared and adopt the
-        recorded versions. Raises while the database is away; the run keeps serving meanwhile.
+        with the session): with this process's gates closed (and, with `drain`, its requests
+        drained), take shared and adopt the recorded versions. Raises while the database is
+        away; the run keeps serving meanwhile.
         """
         lock = self._locks.get(run_id)
         if lock is not None:
@@ -272,7 +304,7 @@ class SwapBarrier:
         conn = await self._engine.connect()
         lock = RunLock(conn, run_id)
         try:
-            async with replicas.quiesced("hold the swap lock again"):
+            async with replicas.quiesced("hold the swap lock again", policy):
                 await lock.shared()
                 replicas.set_versions(await lock.recorded(), None)
         except BaseException:
@@ -296,22 +328,29 @@ class SwapBarrier:
 
 
 class BarrierSwap:
-    """One run's `Swapper` through the barrier: its replica set, swapped with the others."""
+    """One run's `Swapper` through the barrier: its replica set, swapped with the others.
+
+    `policy`: the run's swap policy as of its last swap (keep until one), which `check`
+    also applies when it takes the lock again.
+    """
 
     def __init__(self, barrier: SwapBarrier, run_id: str, replicas: SharedReplicas) -> None:
         self.barrier, self.run_id, self.replicas = barrier, run_id, replicas
+        self.policy = KEEP
 
     @property
     def version(self) -> int:
         return self.replicas.version
 
     async def check(self) -> None:
-        await self.barrier.check(self.run_id, self.replicas)  # its lock held, or taken again
+        # its lock held, or taken again
+        await self.barrier.check(self.run_id, self.replicas, self.policy)
 
-    async def swap(self, source: WeightsSource, version: int) -> None:
+    async def swap(self, source: WeightsSource, version: int, policy: SwapPolicy = KEEP) -> None:
         """As `SwapBarrier.swap`: a server that did not load `version` leaves `version`
         behind, and the swap is tried again after the barrier's `retry_s`."""
-        await self.barrier.swap(self.run_id, self.replicas, source, version)
+        self.policy = policy
+        await self.barrier.swap(self.run_id, self.replicas, source, version, policy)
 
     async def close(self) -> None:
         await self.barrier.leave(self.run_id)

@@ -27,7 +27,7 @@ from gateway.control.swap_barrier import SWAP_CLASS, SwapBarrier
 from inference import registry
 from inference.replicas import ReplicaSet
 from inference.stub_server import StubConfig, StubState, launch
-from inference.types import GenerateRequest, SamplingParams
+from inference.types import DRAIN, KEEP, GenerateRequest, GenerateResult, SamplingParams
 from rlgate.stack import free_port, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -126,7 +126,7 @@ def _sampled_by(prompt: list[int], output: list[int]) -> int | None:
     return None
 
 
-async def test_a_swap_waits_for_every_process_to_drain_then_reloads_once(
+async def test_a_drain_swap_waits_for_every_process_to_drain_then_reloads_once(
     pg_url, stub_url, flavor, tiny_model_dir
 ) -> None:
     _seed(pg_url, stub_url)
@@ -138,7 +138,7 @@ async def test_a_swap_waits_for_every_process_to_drain_then_reloads_once(
         request = GenerateRequest(prompt, SamplingParams(max_tokens=TOKENS))
         in_b = asyncio.create_task(set_b.generate(request))
         await _until("B's request running", lambda: _stub(stub_url)["in_flight"] == 1)
-        swap_a = asyncio.create_task(a.swap(RUN, set_a, tiny_model_dir, 1))
+        swap_a = asyncio.create_task(a.swap(RUN, set_a, tiny_model_dir, 1, DRAIN))
         await _until("A waiting for the exclusive lock", lambda: _waiting() == 1)
         result = await asyncio.wait_for(in_b, GUARD_S)
         # B holds its shared lock until its own SwapLoop sees the version: nothing reloaded
@@ -147,12 +147,87 @@ async def test_a_swap_waits_for_every_process_to_drain_then_reloads_once(
         assert _sampled_by(prompt, result.output_token_ids) == 0
 
         await asyncio.wait_for(
-            asyncio.gather(swap_a, b.swap(RUN, set_b, tiny_model_dir, 1)), GUARD_S
+            asyncio.gather(swap_a, b.swap(RUN, set_b, tiny_model_dir, 1, DRAIN)), GUARD_S
         )
         assert _stub(stub_url)["reloads"] == 1  # once, by whichever went first
         assert set_a.version == set_b.version == 1 and _served(pg_url) == 1
         after = await set_a.generate(request)
         assert after.policy_version == 1 == _sampled_by(prompt, after.output_token_ids)
+    finally:
+        for barrier, replicas in ((a, set_a), (b, set_b)):
+            await replicas.close()
+            await barrier.close()
+
+
+PAUSE = {  # the stand-in's own pause and resume, freezing requests between two tokens
+    "vllm": ("/pause?mode=keep&clear_cache=false", None, "/resume"),
+    "sglang": ("/pause_generation", {"mode": "in_place"}, "/continue_generation"),
+}
+
+
+def _freeze(stub_url: str, flavor: str) -> None:
+    path, body, _ = PAUSE[flavor]
+    httpx.post(stub_url + path, json=body, timeout=10).raise_for_status()
+
+
+def _thaw(stub_url: str, flavor: str) -> None:
+    httpx.post(stub_url + PAUSE[flavor][2], timeout=10).raise_for_status()
+
+
+def _exact(prompt: list[int], result: GenerateResult) -> bool:
+    """Each span's tokens are the stand-in's at the version the span names."""
+    ids, spans = result.output_token_ids, result.spans
+    ends = [start for start, _ in spans[1:]] + [len(ids)]
+    oracle = StubState(StubConfig(output_tokens=TOKENS))
+    for (start, version), end in zip(spans, ends, strict=True):
+        oracle.version = version
+        if ids[start:end] != [oracle.token(prompt, i)[0] for i in range(start, end)]:
+            return False
+    return True
+
+
+async def test_a_keep_swap_reloads_once_under_every_process_s_requests_in_flight(
+    pg_url, stub_url, flavor, tiny_model_dir
+) -> None:
+    """Keep: no process drains. B's stream, held on the server between two tokens (as if
+    the server were busy), lives through A's reload and goes on with v1, each token
+    labelled by the server. A server that labels no tokens (SGLang) is drained instead:
+    B's swap waits for its request, which then finishes on v0."""
+    _seed(pg_url, stub_url)
+    (a, set_a), (b, set_b) = _process(pg_url, stub_url, flavor), _process(pg_url, stub_url, flavor)
+    try:
+        await a.join(RUN, set_a, None, 0)
+        await b.join(RUN, set_b, None, 0)
+        prompt = [5, 6, 7]
+        stream = set_b.start_stream(GenerateRequest(prompt, SamplingParams(max_tokens=TOKENS)))
+        streamed: list[int] = []
+
+        async def consume() -> GenerateResult:
+            async for token, _ in stream.tokens():
+                streamed.append(token)
+            return await stream.result()
+
+        in_b = asyncio.create_task(consume())
+        await _until("B's stream under way", lambda: bool(streamed))
+        _freeze(stub_url, flavor)
+        assert _stub(stub_url)["in_flight"] == 1, "B's request ended before the freeze"
+        swap_a = asyncio.create_task(a.swap(RUN, set_a, tiny_model_dir, 1, KEEP))
+        await _until("A waiting for the exclusive lock", lambda: _waiting() == 1)
+        swap_b = asyncio.create_task(b.swap(RUN, set_b, tiny_model_dir, 1, KEEP))
+        if flavor == "sglang":  # drained: B holds its lock while its request is frozen
+            assert not swap_a.done() and _stub(stub_url)["reloads"] == 0
+            _thaw(stub_url, flavor)
+        # vLLM: nothing thaws the request but A's reload, which resumes the server
+        await asyncio.wait_for(asyncio.gather(swap_a, swap_b), GUARD_S)
+        result = await asyncio.wait_for(in_b, GUARD_S)
+        assert streamed == result.output_token_ids
+        assert _stub(stub_url)["reloads"] == 1  # once, by whichever went first
+        assert set_a.version == set_b.version == 1 and _served(pg_url) == 1
+        versions = [v for _, v in result.spans]
+        assert versions == ([0, 1] if flavor == "vllm" else [0]), result.spans
+        assert len(result.output_token_ids) == TOKENS and _exact(prompt, result)
+        after = await set_a.generate(GenerateRequest(prompt, SamplingParams(max_tokens=TOKENS)))
+        assert after.spans == ((0, 1),) and _exact(prompt, after)
     finally:
         for barrier, replicas in ((a, set_a), (b, set_b)):
             await replicas.close()
