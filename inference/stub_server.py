@@ -116,6 +116,7 @@ class StubState:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.pause: dict[str, Any] | None = None  # how it is paused now: mode and flags
+        self.last_pause: dict[str, Any] | None = None  # the latest pause's, kept after it
         self.tokens_while_paused = 0  # sampled while paused: never, unless a pause is broken
         self.requests = 0
         self.in_flight = 0
@@ -154,10 +155,12 @@ class StubState:
         return self.pause is not None and self.pause["mode"] in FREEZING
 
     async def sample(
-        self, prompt: list[int], max_tokens: int, stop_ids: set[int], salt: int = 0
+        self, prompt: list[int], max_tokens: int, stop_ids: set[int], adapter: str | None = None
     ) -> AsyncIterator[tuple[int, float, str | None, str]]:
         """(token, logprob, finish reason on the last token, weight version label) with the
-        configured latencies; a freezing pause holds it between two tokens."""
+        configured latencies; a freezing pause holds it between two tokens. Each token is
+        sampled by the weights and `adapter` (a loaded one's name) served at that moment."""
+        salt = self.salt_of(adapter) or 0
         await self.resumed.wait()
         self.requests += 1
         self.in_flight += 1
@@ -172,6 +175,7 @@ class StubState:
                 # nothing awaits from here to the yield: the pause cannot split a token
                 if not self.resumed.is_set():
                     self.tokens_while_paused += 1
+                salt = self.salt_of(adapter) or salt  # unloaded meanwhile: the last one
                 tok, lp = self.token(prompt, i, salt)
                 finish = "stop" if tok in stop_ids else ("length" if i == n - 1 else None)
                 yield tok, lp, finish, self.label
@@ -219,6 +223,7 @@ def add_common_routes(app: FastAPI, state: StubState) -> None:
             "weight_version": state.weight_version_label,
             "paused": not state.resumed.is_set(),
             "pause": state.pause,
+            "last_pause": state.last_pause,
             "tokens_while_paused": state.tokens_while_paused,
             "requests": state.requests,
             "in_flight": state.in_flight,
@@ -287,7 +292,7 @@ def add_pause_routes(
         mode = how["mode"] = how.get("mode") or "wait"
         if mode not in PAUSE_MODES:
             return error(f"stub: pause mode {mode!r} is not supported ({PAUSE_MODES})", 400)
-        state.pause = how
+        state.pause = state.last_pause = how
         state.resumed.clear()
         return JSONResponse(answer("paused"))
 
@@ -353,8 +358,8 @@ def add_vllm_completions_route(app: FastAPI, state: StubState) -> None:
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
             return error("stub: prompt must be a list of token ids", 400)
         model = body.get("model")
-        salt = 0 if model in (None, cfg.model) else state.salt_of(model)
-        if salt is None:
+        adapter = None if model in (None, cfg.model) else model
+        if state.salt_of(adapter) is None:
             return error(f"The model `{model}` does not exist.", 404, "NotFoundError")
         max_tokens = int(body.get("max_tokens") or 16)
         stop_ids = set(body.get("stop_token_ids") or [])
@@ -393,7 +398,7 @@ def add_vllm_completions_route(app: FastAPI, state: StubState) -> None:
             }
 
         return await sampled_answer(
-            state.sample(prompt, max_tokens, stop_ids, salt),
+            state.sample(prompt, max_tokens, stop_ids, adapter),
             bool(body.get("stream")),
             lambda toks, finish: envelope(choice(toks[-1:], finish, len(toks) == 1)),
             lambda toks, finish: envelope(choice(toks, finish, True), usage(len(toks))),
@@ -417,14 +422,14 @@ def add_vllm_generate_route(app: FastAPI, state: StubState) -> None:
         if not isinstance(sp, dict):
             return error("stub: sampling_params is required", 400)
         model = body.get("model")
-        salt = 0 if model in (None, cfg.model) else state.salt_of(model)
-        if salt is None:
+        adapter = None if model in (None, cfg.model) else model
+        if state.salt_of(adapter) is None:
             return error(f"The model `{model}` does not exist.", 404, "NotFoundError")
         max_tokens = int(sp.get("max_tokens") or 16)
         stop_ids = set(sp.get("stop_token_ids") or [])
         want_lp = sp.get("logprobs") is not None
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        sample = state.sample(prompt, max_tokens, stop_ids, salt)
+        sample = state.sample(prompt, max_tokens, stop_ids, adapter)
 
         def choice(toks: list[Tok], finish: str | None) -> dict[str, Any]:
             c: dict[str, Any] = {
@@ -615,8 +620,8 @@ def add_sglang_generate_route(app: FastAPI, state: StubState) -> None:
         ids = body.get("input_ids")
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
             return JSONResponse({"error": {"message": "stub: input_ids required"}}, 400)
-        salt = state.salt_of(body.get("lora_path"))
-        if salt is None:
+        adapter = body.get("lora_path")
+        if state.salt_of(adapter) is None:
             return error(f"LoRA adapter {body['lora_path']!r} is not loaded", 400)
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens") or 128)
@@ -649,7 +654,7 @@ def add_sglang_generate_route(app: FastAPI, state: StubState) -> None:
             return payload(toks, finish, len(toks) - 1 if cfg.incremental_streaming_output else 0)
 
         return await sampled_answer(
-            state.sample(ids, max_new, stop_ids, salt),
+            state.sample(ids, max_new, stop_ids, adapter),
             bool(body.get("stream")),
             chunk,
             payload,
