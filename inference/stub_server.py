@@ -13,7 +13,7 @@ and implements only the subset rlgate uses, with no model behind it:
   ``POST /pause`` (``mode`` ``keep`` or ``wait``, ``clear_cache``),
   ``POST /resume``, ``POST /collective_rpc`` with method
   ``reload_weights``, ``POST /update_weight_version`` (``new_version``:
-  the label), and (unless
+  the label), ``GET /weight_info``, ``GET /is_paused``, and (unless
   ``--no-lora``) ``POST /v1/load_lora_adapter`` (``lora_name``,
   ``lora_path``, ``load_inplace``), ``POST /v1/unload_lora_adapter``;
   ``POST /v1/chat/completions`` answers text without a tokenizer (for
@@ -339,6 +339,14 @@ def add_vllm_routes(app: FastAPI, state: StubState) -> None:
             return error("stub: new_version (a string) is required", 422)
         state.weight_version_label = body["new_version"]
         return JSONResponse({"success": True, "new_version": body["new_version"]})
+
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": state.label})
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": not state.resumed.is_set()})
 
     add_vllm_completions_route(app, state)
     add_vllm_generate_route(app, state)

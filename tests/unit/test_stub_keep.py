@@ -115,6 +115,7 @@ async def test_keep_pause_freezes_streams_and_labels_each_token(vllm_stub: str) 
         await client.post("/pause", params={"mode": "keep", "clear_cache": "true"})
         paused = await state(client)
         assert paused["pause"] == {"mode": "keep", "clear_cache": True}
+        assert (await client.get("/is_paused")).json() == {"is_paused": True}
         await asyncio.sleep(0.5)  # ~12 token latencies: an unfrozen stream would have ended
         assert not reader.done() and (await state(client))["in_flight"] == 1
         at_pause = len(got)
@@ -122,6 +123,7 @@ async def test_keep_pause_freezes_streams_and_labels_each_token(vllm_stub: str) 
         assert (await client.post("/collective_rpc", json=rpc)).status_code == 200
         answer = await client.post("/update_weight_version", json={"new_version": "1"})
         assert answer.json() == {"success": True, "new_version": "1"}
+        assert (await client.get("/weight_info")).json() == {"weight_version": "1"}
         assert len(got) == at_pause  # still frozen through the reload
         await client.post("/resume")
         await asyncio.wait_for(reader, 30)
