@@ -6,6 +6,12 @@ one sequence, see `trainer.sequences`). The loss mask is 1 exactly on
 sampled ids; `old_logprobs`, `advantages` and `temperatures` are per
 position and meaningful only where the mask is 1. Nothing is re-tokenized
 from text.
+
+A completion sampled across a keep-mode hot swap holds tokens of several
+versions (`Completion.version_starts`). Each token's `old_logprobs` entry is
+the logprob its own version reported, so the loss's ratio is per token
+against whichever version sampled it; `min_version` is the oldest token's
+(a completion's `policy_version`), the one staleness counts.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ class Sample:
     old_logprobs: list[float]  # behaviour logprobs; 0.0 off the mask
     advantages: list[float]  # 0.0 off the mask
     temperatures: list[float]  # sampling temperature of each token; 1.0 off the mask
-    min_version: int  # oldest policy version among the trained tokens
+    min_version: int  # oldest policy version among the trained tokens (each turn's first)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

@@ -21,7 +21,11 @@ The rules, in the order they apply:
      `group_timeout_s` after it started; then, by `incomplete_groups`, its
      rewarded episodes train (if at least two) or are dropped;
    - stale: if any completion of any member was sampled more than
-     `max_staleness` versions before the current one, the group is dropped;
+     `max_staleness` versions before the current one, the group is dropped.
+     A completion's version is its oldest token's (`policy_version`): a
+     generation kept across several keep-mode swaps finishes normally, and
+     if its first tokens are more than `max_staleness` versions old by the
+     time it is judged, its group is dropped and counted like any stale drop;
    - zero variance: all rewards equal gives every token zero advantage; by
      `zero_variance_groups` the group is ready like any other ("train", the
      default: it takes its place in the step with zero advantage, as in TRL's

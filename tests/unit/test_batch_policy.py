@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from core.store.episodes import EpisodeSnapshot
 from core.store.status import UNGROUPED, EpisodeStatus
 from gateway.control.batch_policy import BatchConfig, Verdict, select_batch
+from inference.types import result_with_marks
 from trainer.config import RunConfig
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
@@ -310,3 +311,25 @@ def test_next_change_is_the_first_expiry_or_group_timeout_still_ahead() -> None:
     assert select_batch(snapshot[:1], VERSION, NOW, CFG).next_change == NOW + timedelta(seconds=30)
     rewarded_only = [ep("e", "g5", age=60), ep("f", "g5", reward=0.0, age=60)]
     assert select_batch(rewarded_only, VERSION, NOW, CFG).next_change is None  # nothing timed
+
+
+def test_a_generation_that_lived_through_more_than_max_staleness_swaps_drops_its_group() -> None:
+    # Kept across three keep-mode swaps (versions 2 -> 5): it finished normally, and its
+    # oldest token is 3 versions behind, past max_staleness (1). The store's snapshot takes
+    # an episode's oldest version from its completions' policy_version, the first token's.
+    spanning = result_with_marks([7] * 9, [-0.5] * 9, "stop", [(0, 2), (3, 3), (5, 4), (8, 5)])
+    assert spanning.version_starts == ((0, 2), (3, 3), (5, 4), (8, 5))
+    assert spanning.policy_version == 2  # not 5, the version of its last tokens
+    within = result_with_marks([7] * 4, [-0.5] * 4, "stop", [(0, 4), (2, 5)])
+    snapshot = [
+        ep("a", "g", reward=1.0, age=30, version=spanning.policy_version),
+        ep("b", "g", reward=0.0, age=25, version=VERSION),
+        ep("c", "h", reward=0.0, age=20, version=within.policy_version),  # 4: at the floor
+        ep("d", "h", reward=1.0, age=10, version=VERSION),
+    ]
+    decision = select_batch(snapshot, VERSION, NOW, CFG)
+    assert verdicts(decision) == [
+        ("g", ("a", "b"), Verdict.STALE),
+        ("h", ("c", "d"), Verdict.CHOSEN),
+    ]
+    assert decision.counters == {"dropped_stale_episodes": 2}  # counted as any stale drop
