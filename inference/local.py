@@ -10,22 +10,20 @@ weights (`load_weights`) and for one LoRA adapter (`load_adapter`) alike:
 
 * `keep` (the default): the checkpoint or adapter is read and checked off the
   model thread; the worker then applies it between two decode steps of the
-  batch that is running (after one step's tokens are sampled and before the
-  next forward), or at once when no batch runs. Every row still generating
-  that the swap concerns (every base-model row for new base weights, the
-  rows of that adapter for an adapter) records a mark (its output length,
-  the new version): the tokens it sampled so far are the old version's, every
-  later one the new version's (`GenerateResult.version_starts`, built by
-  `inference.types.result_with_marks`). New requests wait only for the copy
-  of the weights itself, never for a batch to finish. With `clear_kv` the
-  KV cache of the concerned rows is recomputed by the new weights before the
-  next step (one prefill of prompt + output so far, in the batch's
-  left-padded layout and positions), so every later token is computed
-  entirely by them; other rows' cache is left as it was (another adapter's
-  rows decode bit for bit as without the swap). Without `clear_kv` the rows
-  go on over the cache the old weights computed. A new base also changes
-  what adapter rows compute, so their cache is recomputed too, but their
-  tokens keep their adapter's version.
+  running batch (after one step's tokens are sampled, before the next
+  forward), or at once when idle. Each row still generating that the swap
+  concerns (every row for new base weights, that adapter's rows for an
+  adapter) goes on with it and records a mark (its output length, the new
+  version): `GenerateResult.version_starts`, built by
+  `inference.types.result_with_marks`. Rows on an adapter keep their
+  adapter's version across a base swap. New requests wait only for the
+  in-place copy, never for a batch to finish. With `clear_kv` the KV cache
+  of the concerned rows is recomputed by the new weights before the next
+  step (one prefill of prompt + output so far, in the batch's left-padded
+  layout and positions), so every later token is computed entirely by them;
+  without it they decode over the cache the old weights computed. Rows the
+  swap does not concern keep their cache: another adapter's rows decode bit
+  for bit as without the swap.
 * `drain`: `load_weights` is queued behind the running batch, which finishes
   on the old weights; the state dict is then copied in place and every later
   batch reports the new version. An adapter is put in the bank at once: a
@@ -36,8 +34,9 @@ weights (`load_weights`) and for one LoRA adapter (`load_adapter`) alike:
 A checkpoint that cannot be read or does not fit the model fails its
 `load_weights` before anything is copied: the old weights keep serving and no
 row is marked. Cost of `keep`: the running batch pauses for the in-place copy
-(and, with `clear_kv`, one prefill of the concerned rows); the checkpoint is
-held in memory next to the model until it is copied.
+and, with `clear_kv`, one prefill of the concerned rows (their prompt and
+output so far); a checkpoint is held in memory next to the model until it is
+copied.
 
 LoRA adapters (`AdapterBackend`): many adapters on the one base model, each
 request naming its own (`GenerateRequest.adapter`); a batch mixes them row by
@@ -58,6 +57,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,7 +178,22 @@ class _Running:
         """The rows still generating."""
         return [i for i, f in enumerate(self.finish) if f is None]
 
-    def mark(self, row: int, version: int) -> None:
+    def swapped(self, swap: _KeepWeights | _KeepAdapter) -> list[int]:
+        """The rows still generating that `swap` concerns, moved onto it: every row for new
+        base weights (marked if it samples the base), that adapter's rows for an adapter."""
+        if isinstance(swap, _KeepWeights):
+            rows = self.live()
+            labelled = [i for i in rows if self.rows[i] is None]
+        else:
+            rows = [i for i in self.live() if self.jobs[i].request.adapter == swap.name]
+            labelled = rows
+            for i in rows:
+                self.rows[i] = swap.adapter
+        for i in labelled:
+            self._mark(i, swap.version)
+        return rows
+
+    def _mark(self, row: int, version: int) -> None:
         """Row `row`'s next token is sampled by `version`."""
         last = self.marks[row][-1][1]
         if version > last:
@@ -420,8 +435,8 @@ class LocalBackend:
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
 
     def _apply_keep(self, running: _Running | None) -> list[int]:
-        """Apply the keep swaps handed over so far (no forward runs now); mark the rows of
-        `running` they concern. Returns the rows whose KV cache must be recomputed."""
+        """Apply the keep swaps handed over so far (no forward runs now) and mark the rows of
+        `running` they concern; the rows whose KV cache must then be recomputed."""
         recompute: set[int] = set()
         while True:
             with self._keep_lock:
@@ -430,38 +445,24 @@ class LocalBackend:
                 swap = self._keep.popleft()
             if not swap.future.set_running_or_notify_cancel():
                 continue
-            live = [] if running is None else running.live()
             try:
                 if isinstance(swap, _KeepWeights):
                     with torch.no_grad():
                         self.model.load_state_dict(swap.state, strict=True)
                     swap.state.clear()  # before answering (see `_swap`)
                     self._version = swap.version
-                    concerned = live
-                    labelled = [i for i in live if running and running.rows[i] is None]
                 else:
                     self._adapters.add_hooks(self._adapters.unhooked(swap.adapter))
                     self._adapters.put(swap.name, swap.adapter)
-                    concerned = [
-                        i for i in live if running and running.jobs[i].request.adapter == swap.name
-                    ]
-                    labelled = concerned
             except Exception as exc:  # checked before it came here; the old weights serve
                 logger.exception("keep swap to version %d failed", swap.version)
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
                 continue
-            if running is not None:
-                for i in labelled:
-                    running.mark(i, swap.version)
-                if isinstance(swap, _KeepAdapter):
-                    for i in concerned:
-                        running.rows[i] = swap.adapter
+            rows = [] if running is None else running.swapped(swap)
             if swap.clear_kv:
-                recompute.update(concerned)
+                recompute.update(rows)
             logger.info(
-                "version %d swapped in between two steps (%d rows go on with it)",
-                swap.version,
-                len(labelled),
+                "version %d swapped in between two steps (%d rows)", swap.version, len(rows)
             )
             swap.future.set_result(None)
         return sorted(recompute)
@@ -551,19 +552,19 @@ class LocalBackend:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             recompute = self._apply_keep(running)  # between two steps: where keep swaps land
             if recompute:
-                cache = self._recompute_kv(cache, recompute, ids, mask, running)
+                self._recompute_kv(cache, recompute, ids, mask, running)
         return [
             result_with_marks(o, lp, f or "length", m)
             for o, lp, f, m in zip(out_ids, out_lps, finish, running.marks, strict=True)
         ]
 
     def _recompute_kv(
-        self, cache, rows: list[int], ids: torch.Tensor, mask: torch.Tensor, running: _Running
-    ):
-        """`cache` with the entries of `rows` (all still generating) recomputed by the weights
-        and adapters now served: one prefill of their prompt and output but the last token
-        (which the next step feeds), left-padded and positioned as the decode loop has them;
-        the other rows' entries are not touched."""
+        self, cache: Any, rows: list[int], ids: torch.Tensor, mask: torch.Tensor, running: _Running
+    ) -> None:
+        """Recompute, in place, the entries of `rows` (all still generating) of `cache` (a
+        transformers DynamicCache) with the weights and adapters served now: one prefill of
+        their prompt and output but its last token (which the next step feeds), left-padded
+        and positioned as the decode loop has them; other rows' entries stay as they are."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         sampled = torch.tensor(
             [running.out_ids[i][:-1] for i in rows], dtype=torch.long, device=self.device
@@ -581,7 +582,6 @@ class LocalBackend:
         for old, new in zip(cache.layers, fresh.layers, strict=True):
             old.keys.index_copy_(0, index, new.keys)
             old.values.index_copy_(0, index, new.values)
-        return cache
 
     def _stop_check(self, params: SamplingParams) -> TextStop | None:
         """A row's stop-string check: fed each sampled token, true once the text holds one.
