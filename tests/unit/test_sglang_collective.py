@@ -26,6 +26,7 @@ import torch.distributed as dist
 from inference.backend import BackendError
 from inference.http_common import HttpBackendConfig
 from inference.sglang_http import SGLangBackend
+from inference.types import DRAIN, KEEP, SwapPolicy
 from inference.weight_source import CollectiveSource
 from inference.weight_wire.rlgate_weight_wire import Rendezvous, join_named_group
 from trainer.weight_server import WeightServer
@@ -113,12 +114,19 @@ def _backend(fake: FakeSGLang) -> SGLangBackend:
     )
 
 
+@pytest.mark.parametrize(
+    ("policy", "mode", "flush"),
+    [(KEEP, "retract", True), (SwapPolicy(mode="keep", clear_kv=False), "in_place", False)],
+    ids=["keep", "keep-kv"],
+)
 async def test_sglang_joins_the_trainers_group_between_pause_and_continue(
-    server: WeightServer,
+    server: WeightServer, policy: SwapPolicy, mode: str, flush: bool
 ) -> None:
+    """Keep-mode swaps pause with SGLang's `retract` (KV recomputed, cache flushed) or
+    `in_place` (KV kept: a flush would fail while requests run, so none is asked for)."""
     fake = FakeSGLang()
     be = _backend(fake)
-    await be.load_weights(CollectiveSource(server.url_for("r1"), 4, Path("/nowhere")), 4)
+    await be.load_weights(CollectiveSource(server.url_for("r1"), 4, Path("/nowhere")), 4, policy)
     assert be.version == 4
     assert fake.calls == [
         "/pause_generation",
@@ -133,7 +141,8 @@ async def test_sglang_joins_the_trainers_group_between_pause_and_continue(
     update = fake.bodies["/update_weights_from_distributed"]
     assert update["group_name"] == init["group_name"] and update["weight_version"] == "4"
     assert update["names"] == list(_state()) and update["dtypes"] == ["float32", "bfloat16"]
-    assert update["shapes"] == [[6, 4], [4]] and update["flush_cache"] is True
+    assert update["shapes"] == [[6, 4], [4]] and update["flush_cache"] is flush
+    assert fake.bodies["/pause_generation"] == {"mode": mode}
     for name, t in _state().items():
         assert fake.received[name].dtype == t.dtype and torch.equal(fake.received[name], t)
     await be.close()
@@ -143,7 +152,9 @@ async def test_a_refused_update_keeps_the_version_and_resumes(server: WeightServ
     fake = FakeSGLang(fail_update=True)
     be = _backend(fake)
     with pytest.raises(BackendError, match="update_weights_from_distributed"):
-        await be.load_weights(CollectiveSource(server.url_for("r1"), 4, Path("/nowhere")), 4)
+        source = CollectiveSource(server.url_for("r1"), 4, Path("/nowhere"))
+        await be.load_weights(source, 4, DRAIN)
     assert be.version == 0
+    assert fake.bodies["/pause_generation"] == {}  # drain: SGLang's default pause, as always
     assert fake.calls[-2:] == ["/destroy_weights_update_group", "/continue_generation"]
     await be.close()
