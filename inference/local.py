@@ -438,7 +438,7 @@ class LocalBackend:
         """Apply the keep swaps handed over so far (no forward runs now) and mark the rows of
         `running` they concern; the rows whose KV cache must then be recomputed."""
         recompute: set[int] = set()
-        while True:
+        while self._keep:  # read without the lock: the common case, once per step, is empty
             with self._keep_lock:
                 if not self._keep:
                     break

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inference.backend import BackendError
 from inference.chat_template import ChatTemplate
 from inference.local import LocalBackend
 from inference.types import (
@@ -200,6 +201,14 @@ async def test_an_idle_keep_swap_applies_at_once(
     by_new = _teacher_forced(_model(perturbed), prompts[1], after.output_token_ids)
     assert _close(after.output_logprobs, by_new)
     assert not _close(after.output_logprobs, torch.tensor(before.output_logprobs), atol=1e-2)
+
+
+async def test_a_closed_backend_refuses_keep_swaps(tiny_model_dir: Path, perturbed: Path) -> None:
+    be = LocalBackend(tiny_model_dir)
+    await be.close()
+    with pytest.raises(BackendError, match="closed"):
+        await be.load_weights(perturbed, 1)
+    assert be.version == 0
 
 
 # --- LoRA adapters --------------------------------------------------------------------
