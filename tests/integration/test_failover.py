@@ -21,6 +21,7 @@ The documented behaviour under test (docs/replicas.md):
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -167,7 +168,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> No
     pytest.fail(f"timed out waiting for {what}")
 
 
-def create_run(server: GatewayServer, urls: list[str]) -> dict:
+def create_run(server: GatewayServer, urls: list[str], swap_mode: str = "keep") -> dict:
     resp = httpx.post(
         server.url + "/admin/v1/runs",
         json={
@@ -176,7 +177,7 @@ def create_run(server: GatewayServer, urls: list[str]) -> dict:
             "backend": "vllm",
             "replicas": urls,
             # load without training: lift staleness-aware admission's cap (64 open episodes)
-            "config": {"max_pending_episodes": 10**6},
+            "config": {"max_pending_episodes": 10**6, "swap_mode": swap_mode},
         },
         headers=server.admin_headers(),
         timeout=60,
@@ -197,7 +198,9 @@ def admin_replicas(server: GatewayServer, run_id: str) -> dict[str, dict]:
 
 def check_store(server: GatewayServer, tally: Tally) -> dict[int, int]:
     """Every answer stored once, nothing else; each row's tokens are the stand-in's for its
-    prompt AT the version the row records. Returns the count of rows per version."""
+    prompt AT the version the row records for them (`version_starts`: a row sampled across
+    a keep-mode swap names where each version began). Returns the count of rows per
+    version (the oldest of each row)."""
     rows = server.query("SELECT id, content FROM completions")
     stored = dict(rows)
     assert len(rows) == len(stored)
@@ -213,10 +216,14 @@ def check_store(server: GatewayServer, tally: Tally) -> dict[int, int]:
         per_version[v] = per_version.get(v, 0) + 1
         n = len(row["output_token_ids"])
         assert n == 6 or row["finish_reason"] == "stop"
-        stub = StubState(StubConfig(version=v))
-        assert row["output_token_ids"] == [
-            stub.token(row["prompt_token_ids"], i)[0] for i in range(n)
-        ]
+        starts = json.loads(row["version_starts"]) if row["version_starts"] else [[0, v]]
+        assert starts[0] == [0, v]
+        ends = [i for i, _ in starts[1:]] + [n]
+        expected = []
+        for (start, version), end in zip(starts, ends, strict=True):
+            stub = StubState(StubConfig(version=version))
+            expected += [stub.token(row["prompt_token_ids"], i)[0] for i in range(start, end)]
+        assert row["output_token_ids"] == expected, (cid, starts)
     return per_version
 
 
@@ -261,18 +268,21 @@ def test_kill_one_replica_mid_load(
         stop(server.proc)
 
 
+@pytest.mark.parametrize("swap_mode", ["keep", "drain"])
 def test_rolling_swap_under_load(
     gateway_launcher: Callable[..., GatewayServer],
     replicas: list[tuple[str, subprocess.Popen]],
     tiny_model_dir: Path,
     tmp_path: Path,
+    swap_mode: str,
 ) -> None:
     """A new version rolls over both replicas while clients call: no error of any kind,
-    and every stored completion records the version whose weights produced its tokens."""
+    and every stored completion records the versions whose weights produced its tokens
+    (with `keep`, per token; with `drain`, one version per completion)."""
     urls = [u for u, _ in replicas]
     server = gateway_launcher(tmp_path / "data")
     try:
-        run = create_run(server, urls)
+        run = create_run(server, urls, swap_mode)
         load = Load(run)
         wait_for("some answers", lambda: len(load.tally.answered) >= 2 * CLIENTS)
         # What a finished train step commits: a checkpoint row and the run's version bump.
@@ -298,6 +308,9 @@ def test_rolling_swap_under_load(
         assert tally.failed_before_token == [] and tally.broken_streams == 0
         per_version = check_store(server, tally)
         assert set(per_version) == {0, 1}, per_version
+        if swap_mode == "drain":
+            spanning = server.query("SELECT id FROM completions WHERE version_starts IS NOT NULL")
+            assert spanning == [], "a drained swap leaves no completion with two versions"
         for url in urls:
             state = stub_state(url)
             assert state["reloads"] == 1 and state["weights_path"] == str(ckpt)
