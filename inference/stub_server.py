@@ -31,8 +31,8 @@ the requests in flight between two tokens until the resume: no token is
 sampled inside the pause (``/stub/state`` counts any that were, in
 ``tokens_while_paused``, so a benchmark can check 0), and the tokens after
 it come from the weights loaded meanwhile. With no mode, or ``wait``, the
-requests in flight go on (the caller drained its own) and only new ones
-wait. There is no KV cache: ``clear_cache`` and the two SGLang modes differ
+requests in flight go on (the caller drained its own; their tokens count in
+``tokens_while_paused`` too) and only new ones wait. There is no KV cache: ``clear_cache`` and the two SGLang modes differ
 only in what ``/stub/state`` records (``pause``). vLLM's and SGLang's own
 default, ``abort``, is refused (400): nothing here uses it.
 

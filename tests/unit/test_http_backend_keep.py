@@ -235,6 +235,20 @@ async def test_drain_swap_waits_for_calls_in_flight(sglang_stub: str, tmp_path: 
     assert stub_state(sglang_stub)["last_pause"] == {"mode": "wait"}  # the empty body
 
 
+def test_server_labels_become_version_starts() -> None:
+    def span(label: str, start: int, end: int) -> dict[str, Any]:
+        return {"version": label, "start": start, "end": end}
+
+    labels = [span("4", 5, 9), span("3", 0, 5)]  # any order; contiguous
+    assert version_starts_of(labels, 9) == ((0, 3), (5, 4))
+    assert version_starts_of([span("3", 0, 2), span("3", 2, 4)], 4) == ((0, 3),)
+    assert version_starts_of([span("2", 0, 0), span("3", 0, 4)], 4) == ((0, 3),)  # empty span
+    assert version_starts_of([span("default", 0, 4)], 4) is None  # not a version number
+    assert version_starts_of([span("4", 0, 2), span("3", 2, 4)], 4) is None  # going back
+    assert version_starts_of([span("3", 1, 4)], 4) is None  # the first token unlabelled
+    assert version_starts_of(None, 4) is None and version_starts_of([], 0) is None
+
+
 def adapter_dir(root: Path, name: str) -> Path:
     path = (root / name).resolve()
     path.mkdir()
