@@ -1,12 +1,16 @@
-"""The shared body of every HTTP inference backend: pool, admission gate, drain, swap, streams.
+"""The shared body of every HTTP inference backend: pool, admission gate, swaps, streams.
 
 A server-specific backend (`inference.vllm_http`, `inference.sglang_http`)
 subclasses `HttpBackend` and says only how its server differs: the request
 it sends for one generation (`_complete`, `_stream_tokens`), how it reads the
-answer, the calls that pause, reload and resume it, and those that load and
-unload a LoRA adapter (`_load_adapter`, `_unload_adapter`). Everything that
-decides *when* things happen lives here, so every HTTP backend keeps the
-same ordering contract (below), for the base weights and for each adapter.
+answer (and the server's per-token version labels, if it gives them), the
+calls that pause (with the swap's `SwapPolicy`), reload and resume it, and
+those that load and unload a LoRA adapter (`_load_adapter`,
+`_unload_adapter`). Everything that decides *when* things happen lives here,
+so every HTTP backend keeps the same ordering contract (below), in both swap
+modes, for the base weights and for each adapter. The module is long because
+that contract is one piece: admission, drain, the keep-mode marks and the
+streams that carry them.
 """
 
 from __future__ import annotations
