@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reload-ms", type=float, default=300.0, help="the stand-in's reload, server paused"
     )
     stall.add_argument(
+        "--think-ms", type=float, default=0.0, help="an agent's pause between calls, at most"
+    )
+    stall.add_argument(
         "--vllm-streams", type=int, default=4, help="streams against vLLM (0: skip vLLM)"
     )
     stall.add_argument("--vllm-seconds", type=float, default=60.0, help="per mode, vLLM setup")

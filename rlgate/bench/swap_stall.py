@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import random
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,12 @@ class StallSetup:
     swap_every_s: float = 10.0  # a swap starts this often from the mode's start
     seconds: float = 120.0  # per mode
     reload_ms: float = 300.0  # the stand-in's reload; vLLM: its own (0 here)
+    think_ms: float = 0.0  # an agent waits uniform [0, think_ms] between two calls
+
+    @property
+    def stagger_s(self) -> float:
+        """Agent n starts n * this after the first: spread over one generation's length."""
+        return self.tokens * self.token_ms / 1000 / max(self.agents, 1)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ class Call:
 
     start: float
     first: float | None  # first token's arrival (None: none arrived)
-    end: float
+    last: float | None  # last token's arrival
     tokens: int  # tokens received before the mode's end
     max_gap: float  # longest wait between two consecutive tokens
     versions: int  # versions that sampled it (1 unless it spans a keep swap)
@@ -105,24 +112,34 @@ def _ms(seconds: float) -> float:
     return round(1000 * seconds, 1)
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 def swap_stalls(run: ModeRun) -> list[tuple[float, float]]:
-    """Per swap: (admission wait, token gap) in seconds, as defined in the module docstring."""
-    during = [
-        c
+    """Per swap, in seconds: the longest added admission wait of a call started during it
+    and the longest added gap between two tokens of a stream in flight when it began
+    ("added": less the median of calls that no swap touched)."""
+    # (start, first token, last token, tokens, longest gap) of each call that got a token
+    answered = [
+        (c.start, c.first, c.last, c.tokens, c.max_gap)
         for c in run.calls
-        if c.first is not None and any(s.start <= c.start <= s.end for s in run.swaps)
+        if c.first is not None and c.last is not None
     ]
-    outside = [c.first - c.start for c in run.calls if c.first is not None and c not in during]
-    base = statistics.median(outside) if outside else 0.0
+
+    def touched(start: float, last: float) -> bool:
+        return any(s.start <= start <= s.end or start < s.start < last for s in run.swaps)
+
+    calm = [a for a in answered if not touched(a[0], a[2])]
+    base_wait = _median([first - start for start, first, *_ in calm])
+    base_gap = _median([(last - first) / (n - 1) for _, first, last, n, _ in calm if n > 1])
     stalls = []
     for s in run.swaps:
-        waits = [
-            c.first - c.start - base
-            for c in during
-            if c.first is not None and s.start <= c.start <= s.end
-        ]
-        gaps = [c.max_gap for c in run.calls if c.start < s.start < c.end and c.tokens > 1]
-        stalls.append((max([0.0, *waits]), max([0.0, *gaps])))
+        waits = [first - start for start, first, *_ in answered if s.start <= start <= s.end]
+        gaps = [g for start, _, last, n, g in answered if start < s.start < last and n > 1]
+        stalls.append(
+            (max([0.0, *(w - base_wait for w in waits)]), max([0.0, *(g - base_gap for g in gaps)]))
+        )
     return stalls
 
 
@@ -208,6 +225,8 @@ async def _agent(
     backend: VLLMBackend, n: int, setup: StallSetup, run: ModeRun, stop_at: float
 ) -> None:
     """One agent: streams one generation after another until `stop_at`."""
+    think = random.Random(n)
+    await asyncio.sleep(n * setup.stagger_s)
     i = 0
     while (start := time.perf_counter()) < stop_at:
         i += 1
@@ -231,7 +250,11 @@ async def _agent(
         except BackendError as exc:
             logger.warning("agent %d: call failed: %s", n, exc)
             failed = True
-        run.calls.append(Call(start, first, time.perf_counter(), tokens, max_gap, versions, failed))
+        run.calls.append(
+            Call(start, first, last if tokens else None, tokens, max_gap, versions, failed)
+        )
+        if setup.think_ms:
+            await asyncio.sleep(think.uniform(0, setup.think_ms / 1000))
 
 
 async def _gate_probe(backend: VLLMBackend, waits: list[float], done: asyncio.Event) -> None:
@@ -398,6 +421,7 @@ def setups(args: argparse.Namespace) -> tuple[StallSetup, StallSetup]:
         seconds=args.seconds,
         swap_every_s=args.swap_every,
         reload_ms=args.reload_ms,
+        think_ms=args.think_ms,
     )
     vllm = StallSetup(
         agents=args.vllm_streams,

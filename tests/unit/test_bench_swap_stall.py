@@ -17,24 +17,30 @@ from rlgate import cli
 from rlgate.bench.swap_stall import Call, ModeRun, StallSetup, Swap, mode_figures, summary
 
 
+def call(start: float, first: float, tokens: int, gap: float = 0.02, versions: int = 1) -> Call:
+    """A call whose tokens came every 20 ms, but for one gap of `gap`."""
+    return Call(start, first, first + 0.02 * (tokens - 2) + gap, tokens, gap, versions)
+
+
 def one_swap_run(gap: float, wait: float, tokens: int, failed: int = 0) -> ModeRun:
-    """A 20 s mode with one swap over [10, 10.5]: two calls outside it (0.05 s to the
-    first token), one started during it (`wait` more), one in flight across it (`gap`)."""
+    """A 20 s mode with one swap over [10, 10.5]: two calls no swap touched (0.05 s to the
+    first token, a token every 20 ms), one started during the swap (`wait` more to its first
+    token), one in flight across it (one gap of `gap`)."""
     calls = [
-        Call(start=0.0, first=0.05, end=4.0, tokens=tokens, max_gap=0.02, versions=1),
-        Call(start=5.0, first=5.05, end=9.0, tokens=tokens, max_gap=0.02, versions=1),
-        Call(start=10.1, first=10.15 + wait, end=14.0, tokens=tokens, max_gap=0.02, versions=1),
-        Call(start=8.0, first=8.05, end=12.0, tokens=tokens, max_gap=gap, versions=2),
+        call(0.0, 0.05, tokens),
+        call(5.0, 5.05, tokens),
+        call(10.1, 10.15 + wait, tokens),
+        call(8.0, 8.05, tokens, gap=gap, versions=2),
     ]
-    calls += [Call(15.0, None, 15.1, 0, 0.0, 1, failed=True) for _ in range(failed)]
+    calls += [Call(15.0, None, None, 0, 0.0, 1, failed=True) for _ in range(failed)]
     return ModeRun(seconds=20.0, calls=calls, swaps=[Swap(10.0, 10.5, 0.4)], tokens_in_pause=0)
 
 
 def test_stall_per_swap_is_the_larger_of_admission_wait_and_token_gap() -> None:
     f = mode_figures(one_swap_run(gap=0.38, wait=0.3, tokens=100))
     assert f["admit_wait_ms_max"] == 300.0
-    assert f["token_gap_ms_max"] == 380.0
-    assert f["stall_ms"] == f["stall_ms_max"] == 380.0
+    assert f["token_gap_ms_max"] == 360.0  # beyond the usual 20 ms
+    assert f["stall_ms"] == f["stall_ms_max"] == 360.0
     assert f["gate_closed_ms"] == 400.0 and f["swap_s"] == 0.5
     assert f["tokens_per_s"] == 20.0  # 400 tokens in 20 s
     assert f["spanning_calls"] == 1 and f["failed"] == 0 and f["calls"] == 4
@@ -57,8 +63,8 @@ def test_summary_sets_keep_against_drain_and_checks_the_targets() -> None:
         "keep": one_swap_run(gap=0.34, wait=0.1, tokens=160),
     }
     out = json.loads(json.dumps(summary(setup, runs)))
-    assert out["drain"]["stall_ms"] == 3000.0 and out["keep"]["stall_ms"] == 340.0
-    assert out["stall_ratio"] == pytest.approx(340 / 3000, abs=1e-4)
+    assert out["drain"]["stall_ms"] == 3000.0 and out["keep"]["stall_ms"] == 320.0
+    assert out["stall_ratio"] == pytest.approx(320 / 3000, abs=1e-4)
     assert out["throughput_ratio"] == 1.6
     assert out["targets"] == {
         "keep_stall_within_reload_ms_plus_50": True,
@@ -68,7 +74,7 @@ def test_summary_sets_keep_against_drain_and_checks_the_targets() -> None:
     }
     assert "vllm" not in out
 
-    runs["keep"] = one_swap_run(gap=0.5, wait=0.0, tokens=100, failed=2)
+    runs["keep"] = one_swap_run(gap=0.5, wait=0.0, tokens=100, failed=2)  # 480 ms > 350
     runs["keep"].tokens_in_pause = None  # a server that does not count them proves nothing
     missed = summary(setup, runs, vllm=runs)["targets"]
     assert not any(missed.values())
