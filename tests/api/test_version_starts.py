@@ -1,7 +1,10 @@
 """A completion sampled across hot swaps: its `version_starts` is answered, stored, shown
 and exported, on every agent API, streamed and not, on SQLite and on PostgreSQL.
 
-The backend is a TEST backend defined here (kind "split-versions", registered in this
+Two backends. The last tests (kind "local-held") take a REAL keep-mode swap: the real
+local backend, held at a token while the test commits a new version, which the gateway's
+own swap loop swaps in; the answer's versions are the backend's own marks. The rest use
+a TEST backend defined here (kind "split-versions", registered in this
 process only): the real local backend on the tiny model, whose results are re-marked as
 if two keep-mode swaps had happened while they were sampled (version v from token 0, v+1
 from token 1, v+2 from token 3; `inference.types.result_with_marks` drops what an output
@@ -15,11 +18,13 @@ openai and anthropic clients.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
 import re
 import sqlite3
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -435,3 +440,175 @@ def test_export_jsonl_and_parquet_carry_version_starts(stack: Stack) -> None:
     }
     assert from_parquet == made
     assert any(v is None for v in made.values()) and any(v for v in made.values())
+
+
+# --- a real keep-mode swap in the real local backend ---------------------------------------
+#
+# Kind "local-held" is the real local backend, plus two test hooks: `arm()` holds its next
+# generation inside the forward that samples token `HELD_AT` (a forward hook, no sleeps), and
+# `handed` says when a swap reached its worker. While a call is held, the test commits a new
+# version in the store as a train step would (a `policy_versions` row, `current_version`);
+# the gateway's own swap loop then swaps it in with the run's policy (keep), and the call is
+# released: it goes on with the new version from token HELD_AT + 1.
+
+HELD_AT = 3
+
+
+class HeldLocalBackend(LocalBackend):
+    """The local backend with the hold and the hand-over signal described above."""
+
+    current: HeldLocalBackend | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held, self.release, self.handed = (
+            threading.Event(),
+            threading.Event(),
+            threading.Event(),
+        )
+        self._steps = -1  # decode steps of the armed generation; -1: none armed
+        self.model.register_forward_pre_hook(self._hold, with_kwargs=True)
+        HeldLocalBackend.current = self
+
+    def arm(self) -> None:
+        for event in (self.held, self.release, self.handed):
+            event.clear()
+        self._steps = 0
+
+    def _hold(self, _module: Any, _args: tuple, kwargs: dict) -> None:
+        if self._steps < 0 or kwargs["input_ids"].shape[1] != 1:  # not armed, or a prefill
+            return
+        self._steps += 1
+        if self._steps == HELD_AT:
+            self._steps = -1
+            self.held.set()
+            self.release.wait(60)
+
+    def _defer_to_next_step(self, swap: Any) -> Any:
+        future = super()._defer_to_next_step(swap)
+        self.handed.set()
+        return future
+
+
+@dataclass
+class KeepStack:
+    stack: Stack
+    db: Path
+    checkpoint: Path  # the weights each new version loads (the tiny model's own)
+
+    def commit_version(self) -> int:
+        """Commit version current + 1 as a train step would; returns it."""
+        run_id = self.stack.run["run_id"]
+        with contextlib.closing(sqlite3.connect(self.db, timeout=30)) as conn, conn:
+            (current,) = conn.execute(
+                "SELECT current_version FROM runs WHERE id = ?", (run_id,)
+            ).fetchone()
+            conn.execute(
+                "INSERT INTO policy_versions (run_id, version, checkpoint_path, created_at)"
+                " VALUES (?, ?, ?, CURRENT_TIMESTAMP)",
+                (run_id, current + 1, str(self.checkpoint)),
+            )
+            conn.execute("UPDATE runs SET current_version = ? WHERE id = ?", (current + 1, run_id))
+        return int(current) + 1
+
+    def across_a_swap(self, call: Callable[[], Any]) -> tuple[Any, int]:
+        """`call`'s answer, sampled across a keep-mode swap to a new version; that version."""
+        backend = HeldLocalBackend.current
+        assert backend is not None, "the run's backend is loaded by the fixture's first call"
+        backend.arm()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(call)
+            try:
+                assert backend.held.wait(60), "the generation never reached its held token"
+                version = self.commit_version()
+                assert backend.handed.wait(60), "the gateway never swapped the new version in"
+            finally:
+                backend.release.set()
+            return answer.result(timeout=120), version
+
+
+@pytest.fixture(scope="module")
+def keep(
+    tmp_path_factory: pytest.TempPathFactory, model_cache_dir: Path, tiny_model_dir: Path
+) -> Iterator[KeepStack]:
+    registry.register(
+        BackendKind("local-held", label="local, held at a token (test)", load=HeldLocalBackend)
+    )
+    settings = gateway_settings(tmp_path_factory.mktemp("keep") / "data", model_cache_dir)
+    try:
+        with (
+            serving_in_thread(create_app(settings)) as url,
+            httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120
+            ) as admin,
+        ):
+            body = {"name": "keep", "model": "tiny", "backend": "local-held"}
+            created = admin.post("/admin/v1/runs", json=body)
+            assert created.status_code == 201, created.text
+            run = created.json()
+            assert run.get("config", {}).get("swap_mode", "keep") == "keep"
+            stack = Stack(url, run, admin, lambda _: None, {})
+            warm = stack.openai("warm").chat.completions.create(
+                model="keep", messages=QUESTION, max_tokens=2
+            )
+            assert _extra(warm, "version_starts") is None  # loads the backend
+            yield KeepStack(stack, settings.data_dir / "rlgate.db", tiny_model_dir)
+    finally:
+        registry.unregister("local-held")
+        HeldLocalBackend.current = None
+
+
+def _stored_starts(keep: KeepStack, completion_id: str) -> Any:
+    with contextlib.closing(sqlite3.connect(f"file:{keep.db}?mode=ro", uri=True)) as conn:
+        (value,) = conn.execute(
+            "SELECT version_starts FROM completions WHERE id = ?", (completion_id,)
+        ).fetchone()
+    return None if value is None else json.loads(value)
+
+
+def test_a_real_keep_swap_mid_call_is_answered_and_stored(keep: KeepStack) -> None:
+    client = keep.stack.openai("keep-chat")
+    answer, version = keep.across_a_swap(
+        lambda: client.chat.completions.create(
+            model="keep", messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+    )
+    starts = [[0, version - 1], [HELD_AT + 1, version]]
+    assert answer.usage.completion_tokens > HELD_AT + 1, "it ended before the swap landed"
+    assert _extra(answer, "version_starts") == starts
+    assert _extra(answer, "policy_version") == version - 1  # the oldest, the first token's
+    assert _stored_starts(keep, answer.id) == starts
+
+    # the next call starts on the new version: one version, none recorded
+    after = client.chat.completions.create(model="keep", messages=QUESTION, max_tokens=4)
+    assert _extra(after, "policy_version") == version
+    assert _extra(after, "version_starts") is None
+    assert _stored_starts(keep, after.id) is None
+
+
+def test_a_real_keep_swap_mid_stream_is_on_the_final_chunk_and_event(keep: KeepStack) -> None:
+    client = keep.stack.openai("keep-stream")
+    chunks, version = keep.across_a_swap(
+        lambda: list(
+            client.chat.completions.create(
+                model="keep", messages=QUESTION, max_tokens=MAX_TOKENS, stream=True
+            )
+        )
+    )
+    starts = [[0, version - 1], [HELD_AT + 1, version]]
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert _extra(chunks[-1], "version_starts") == starts
+    assert _stored_starts(keep, chunks[0].id) == starts
+
+    events, version = keep.across_a_swap(
+        lambda: list(
+            client.responses.create(
+                model="keep", input="what is one plus two?", max_output_tokens=MAX_TOKENS,
+                stream=True,
+            )
+        )
+    )  # fmt: skip
+    starts = [[0, version - 1], [HELD_AT + 1, version]]
+    final = events[-1].response
+    assert _extra(final, "version_starts") == starts
+    assert _stored_starts(keep, _extra(final, "completion_id")) == starts
