@@ -32,7 +32,7 @@ class Turn:
     output_token_ids: list[int]
     output_logprobs: list[float]
     temperature: float
-    policy_version: int
+    policy_version: int  # the oldest version among its tokens (each logprob is its own token's)
     spliced: bool
     prompt_hash: str | None
     created_order: int  # position by creation time within the episode
