@@ -32,9 +32,11 @@ sampled inside the pause (``/stub/state`` counts any that were, in
 ``tokens_while_paused``, so a benchmark can check 0), and the tokens after
 it come from the weights loaded meanwhile. With no mode, or ``wait``, the
 requests in flight go on (the caller drained its own; their tokens count in
-``tokens_while_paused`` too) and only new ones wait. There is no KV cache: ``clear_cache`` and the two SGLang modes differ
-only in what ``/stub/state`` records (``pause``). vLLM's and SGLang's own
-default, ``abort``, is refused (400): nothing here uses it.
+``tokens_while_paused`` too) and only new ones wait. There is no KV cache:
+``clear_cache`` and the two SGLang modes differ only in what ``/stub/state``
+records (``pause``, ``last_pause``). vLLM's and SGLang's own default,
+``abort``, is refused (400): nothing here uses it. Until a label is set,
+tokens carry vLLM's first label, ``default``.
 
 Output is deterministic: token i of a request is a function of the prompt,
 i, the weights version and the adapter it names (its name and directory,
@@ -147,9 +149,10 @@ class StubState:
 
     @property
     def label(self) -> str:
-        """The weight version label tokens sampled now carry (the served version until one
-        is set: `/update_weight_version`, SGLang's `weight_version`)."""
-        return self.weight_version_label or str(self.version)
+        """The weight version label tokens sampled now carry: the last one set
+        (`/update_weight_version`, SGLang's `weight_version`), else "default", vLLM's
+        label of the weights it started with (not a version number)."""
+        return self.weight_version_label or "default"
 
     def frozen(self) -> bool:
         return self.pause is not None and self.pause["mode"] in FREEZING

@@ -193,6 +193,9 @@ async def test_server_labels_give_each_call_its_versions(vllm_stub: str, tmp_pat
     """The non-streaming calls go out as one JSON call each, which the backend cannot mark:
     only the server's `weight_versions` can tell where their versions changed."""
     backend = Labelled(HttpBackendConfig(base_url=vllm_stub))
+    # labelled with its version first, as a backend does when it loads one: the server's
+    # own first label ("default") is no version number
+    httpx.post(vllm_stub + "/update_weight_version", json={"new_version": "0"})
     try:
         await swap_under_load(backend, vllm_stub, tmp_path, KEEP)
     finally:

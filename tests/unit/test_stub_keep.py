@@ -80,7 +80,7 @@ async def test_generate_answers_in_vllm_token_in_token_out_shape(vllm_stub: str)
         content = choice["logprobs"]["content"]
         assert [c["token_id"] for c in content] == choice["token_ids"]
         assert all(c["logprob"] < 0 for c in content)
-        assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": 5}]
+        assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 5}]
 
         chunks = [e async for e in events(client, "/inference/v1/generate", generate_body(3, True))]
         assert chunks[-1] == "[DONE]"
@@ -88,7 +88,7 @@ async def test_generate_answers_in_vllm_token_in_token_out_shape(vllm_stub: str)
         assert [c["token_ids"] for c in choices] == [[t] for t in tokens_of(0, 3)]
         assert [c["finish_reason"] for c in choices] == [None, None, "length"]
         assert [c.get("weight_versions") for c in choices[:-1]] == [None, None]
-        assert choices[-1]["weight_versions"] == [{"version": "0", "start": 0, "end": 3}]
+        assert choices[-1]["weight_versions"] == [{"version": "default", "start": 0, "end": 3}]
 
 
 async def test_keep_pause_freezes_streams_and_labels_each_token(vllm_stub: str) -> None:
@@ -131,7 +131,7 @@ async def test_keep_pause_freezes_streams_and_labels_each_token(vllm_stub: str) 
     assert len(got) == n and 2 <= at_pause < n
     assert got == tokens_of(0, n)[:at_pause] + tokens_of(1, n)[at_pause:]
     assert final["weight_versions"] == [
-        {"version": "0", "start": 0, "end": at_pause},
+        {"version": "default", "start": 0, "end": at_pause},
         {"version": "1", "start": at_pause, "end": n},
     ]
     assert after["tokens_while_paused"] == 0 and after["pause"] is None
