@@ -211,7 +211,11 @@ class HttpBackend(abc.ABC):
     it too: an SSE event per token instead of one JSON body, a little more
     CPU and bytes per call. The marks rely on the settle: a token sampled
     before the pause that arrives after `pause_settle_s` of silence would be
-    labelled with the new version.
+    labelled with the new version. A server that labels tokens gets no settle
+    (its gate opens as soon as it has loaded), so there the marks are only the
+    fallback for an answer whose labels are missing, late by any tokens still
+    in transit; a non-streaming call with no usable labels after a keep-mode
+    swap cannot be marked at all and fails with `BackendError`.
 
     `policy.mode == "drain"`: step 1, then waits until every request it
     admitted has finished, up to `config.drain_timeout_s`, then pauses
