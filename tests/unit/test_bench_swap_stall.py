@@ -85,7 +85,7 @@ def test_smoke_run_has_every_figure_no_token_in_a_pause_and_no_failure_in_keep(
 ) -> None:
     argv = ["bench", "swap", "--stall", "--seconds", "3", "--swap-every", "1", "--agents", "3"]
     with pytest.raises(SystemExit) as exit_:
-        cli.main([*argv, "--reload-ms", "50", "--vllm-streams", "0"])
+        cli.main([*argv, "--reload-ms", "50", "--think-ms", "100", "--vllm-streams", "0"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert exit_.value.code == 0
     for mode in ("drain", "keep"):
