@@ -1,10 +1,11 @@
 """`rlgate bench swap`: seconds to put new weights into vLLM, hot swap against a restart.
 
 One vLLM server (the flags of `rlgate inference serve`) serves the model.
-Hot swap is `VLLMBackend.load_weights` (drain, pause, in-place reload,
-resume), timed from the call until a greedy request answers on the new
-weights. Restart is what a system without hot swap does: stop the server,
-start it on the new checkpoint, wait until it answers the same request. Both
+Hot swap is `VLLMBackend.load_weights` (pause, in-place reload, resume;
+nothing is in flight, so keep and drain do the same), timed from the call
+until a greedy request answers on the new weights. Restart is what a system
+without hot swap does: stop the server, start it on the new checkpoint, wait
+until it answers the same request. Both
 write no checkpoint (it is written once before timing). `repeats` hot swaps
 (alternating two checkpoints) and `restarts` restarts are timed; medians are
 reported and `ratio` = hot-swap seconds / restart seconds. The last printed
