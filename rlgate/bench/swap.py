@@ -5,11 +5,10 @@ Hot swap is `VLLMBackend.load_weights` (pause, in-place reload, resume;
 nothing is in flight, so keep and drain do the same), timed from the call
 until a greedy request answers on the new weights. Restart is what a system
 without hot swap does: stop the server, start it on the new checkpoint, wait
-until it answers the same request. Both
-write no checkpoint (it is written once before timing). `repeats` hot swaps
-(alternating two checkpoints) and `restarts` restarts are timed; medians are
-reported and `ratio` = hot-swap seconds / restart seconds. The last printed
-line is one JSON object.
+until it answers the same request. Both write no checkpoint (it is written
+once before timing). `repeats` hot swaps (alternating two checkpoints) and
+`restarts` restarts are timed; medians are reported and `ratio` = hot-swap
+seconds / restart seconds. The last printed line is one JSON object.
 
 `--stall` measures instead what a swap costs agents that are streaming
 through it, `drain` against `keep` (`rlgate.bench.swap_stall`).
