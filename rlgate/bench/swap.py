@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pydantic-settings is imported only when the bench runs
     from core.settings import Settings
 
 
-def _perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
+def perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
     """A second, different set of weights to swap to (written once, not timed)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -99,7 +99,7 @@ def _time_swaps(
     """Seconds of each hot swap and of each restart, alternating `base` and a second checkpoint."""
     from rlgate.inference_cli import server_python
 
-    other = _perturbed_checkpoint(base, work / "ckpt-b")
+    other = perturbed_checkpoint(base, work / "ckpt-b")
     checkpoints = [other, base]
 
     def config(model_dir: Path) -> ServerConfig:

@@ -4,10 +4,11 @@ Agents drive the backend client the gateway itself forwards to (`VLLMBackend`,
 one per server), not a gateway: 64 streams on 2 cores leave no CPU for a
 gateway in between, and the swap's cost lives in the backend's gate and the
 server's pause, which the gateway only passes on. Each agent streams one
-generation after another (no think time) until the mode's time is up; a
-swapper calls `load_weights(..., policy)` every `swap_every_s`, alternating
-two checkpoints. Both modes run in the same process against fresh servers
-with the same settings, drain first.
+generation after another (a random pause of up to `think_ms` between calls,
+none by default) until the mode's time is up; the agents start spread over
+one generation's length. A swapper calls `load_weights(..., policy)` every
+`swap_every_s`, alternating two checkpoints. Both modes run in the same
+process against fresh servers with the same settings, drain first.
 
 Two setups:
 
@@ -15,13 +16,14 @@ Two setups:
   `tokens` tokens at `token_ms` a token; a reload holds the paused server for
   `reload_ms` (the stand-in reloads instantly, so the client waits that long
   between pause and reload: the agents see what a reload of that length does);
-* the vLLM CPU build with SmolLM2 (`--vllm`): a few long streams, its own
-  reload time.
+* the vLLM CPU build with SmolLM2 (`--vllm-streams`): a few long streams, its
+  own reload time.
 
 Per mode (`mode_figures`): the stall per swap, the larger of the longest
-admission wait of a call started during the swap (its time to first token
-less the median of calls started outside swaps) and the longest gap between
-two tokens of a stream in flight when the swap began; the time the backend's
+added admission wait of a call started during the swap (its time to first
+token less the median of calls no swap touched) and the longest added gap
+between two tokens of a stream in flight when the swap began (less the
+median time per token of those calls); the time the backend's
 gate was closed (a probe enters the admission gate every `PROBE_S` during a
 swap; its longest wait); failed calls; tokens/s over the whole mode; calls
 that span two versions; and, from the stand-in's `/stub/state`, tokens
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import statistics
@@ -183,16 +186,19 @@ def _side_by_side(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def summary(
-    setup: StallSetup, stub: dict[str, ModeRun], vllm: dict[str, ModeRun] | None = None
+    setup: StallSetup,
+    stub: dict[str, ModeRun],
+    vllm: tuple[StallSetup, dict[str, ModeRun]] | None = None,
 ) -> dict[str, Any]:
-    """The bench's JSON: each mode's figures, keep against drain, and the targets."""
+    """The bench's JSON: each mode's figures, keep against drain, and the targets (on the
+    stand-in setup); `vllm`: the vLLM setup and its runs, side by side too."""
     out = _side_by_side({mode: mode_figures(run) for mode, run in stub.items()})
     keep, drain = out["keep"], out["drain"]
     paused = [f["tokens_in_pause"] for f in (keep, drain)]
     result: dict[str, Any] = {
         "bench": "swap",
         "mode": "stall",
-        "setup": {**setup.__dict__},
+        "setup": dataclasses.asdict(setup),
         **out,
         "targets": {
             "keep_stall_within_reload_ms_plus_50": keep["stall_ms_max"]
@@ -203,7 +209,9 @@ def summary(
         },
     }
     if vllm is not None:
-        result["vllm"] = _side_by_side({mode: mode_figures(run) for mode, run in vllm.items()})
+        vllm_setup, vllm_runs = vllm
+        figures = {mode: mode_figures(run) for mode, run in vllm_runs.items()}
+        result["vllm"] = {"setup": dataclasses.asdict(vllm_setup), **_side_by_side(figures)}
     return result
 
 
@@ -296,9 +304,14 @@ async def _swapper(
         run.swaps.append(Swap(start, end, max([0.0, *waits]), failed))
 
 
-async def _state(backend: VLLMBackend) -> dict[str, Any]:
-    resp = await backend._client.get("/stub/state")
-    return dict(resp.json()) if resp.status_code == 200 else {}
+async def _tokens_in_pause(url: str) -> int | None:
+    """The stand-in's count of tokens emitted while paused (None: it reports none)."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url) as client:
+        resp = await client.get("/stub/state")
+    paused = resp.json().get(PAUSED_TOKEN_KEY) if resp.status_code == 200 else None
+    return None if paused is None else int(paused)
 
 
 async def measure_mode(
@@ -323,9 +336,7 @@ async def measure_mode(
         await _swapper(backend, policy, checkpoints, setup, run, t0)
         await asyncio.gather(*agents)
         if stub:
-            state = await _state(backend)
-            paused = state.get(PAUSED_TOKEN_KEY)
-            run.tokens_in_pause = None if paused is None else int(paused)
+            run.tokens_in_pause = await _tokens_in_pause(url)
     finally:
         await backend.close()
     return run
@@ -382,7 +393,7 @@ def run_vllm(args: argparse.Namespace, setup: StallSetup, work: Path) -> dict[st
     from inference.launch import ServerConfig, running_server
     from inference.models import resolve_model
     from rlgate.bench import dirs as bench_dirs
-    from rlgate.bench.swap import _perturbed_checkpoint
+    from rlgate.bench.swap import perturbed_checkpoint
     from rlgate.inference_cli import server_python
     from rlgate.stack import free_port
 
@@ -390,7 +401,7 @@ def run_vllm(args: argparse.Namespace, setup: StallSetup, work: Path) -> dict[st
     base = resolve_model(args.vllm_model, bench_dirs.model_cache(args.cache_dir))
     other = work / "ckpt-b"
     if not other.exists():
-        _perturbed_checkpoint(base, other)
+        perturbed_checkpoint(base, other)
     runs = {}
     for mode, policy in POLICIES.items():
         cfg = ServerConfig(
@@ -442,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
     stub_setup, vllm_setup = setups(args)
     with bench_dirs.work_dir("swap-stall", args.work_dir) as work:
         stub = run_stub(stub_setup, work)
-        vllm = run_vllm(args, vllm_setup, work) if vllm_setup.agents else None
+        vllm = (vllm_setup, run_vllm(args, vllm_setup, work)) if vllm_setup.agents else None
     result = summary(stub_setup, stub, vllm)
     for name, met in result["targets"].items():
         print(f"target {name}: {'met' if met else 'NOT met'}")

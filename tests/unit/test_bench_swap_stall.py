@@ -76,7 +76,9 @@ def test_summary_sets_keep_against_drain_and_checks_the_targets() -> None:
 
     runs["keep"] = one_swap_run(gap=0.5, wait=0.0, tokens=100, failed=2)  # 480 ms > 350
     runs["keep"].tokens_in_pause = None  # a server that does not count them proves nothing
-    missed = summary(setup, runs, vllm=runs)["targets"]
+    both = summary(setup, runs, vllm=(setup, runs))
+    assert both["vllm"]["keep"] == both["keep"] and both["vllm"]["setup"] == both["setup"]
+    missed = both["targets"]
     assert not any(missed.values())
 
 
