@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,8 @@ import pytest
 from inference import registry
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.stub_server import StubConfig, StubState, launch
-from inference.swap import ServerClient
-from inference.types import DRAIN, GenerateRequest, GenerateResult, SamplingParams
+from inference.swap import ServerClient, WeightsSource
+from inference.types import DRAIN, GenerateRequest, GenerateResult, SamplingParams, SwapPolicy
 from rlgate.stack import free_port, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -72,10 +72,12 @@ def servers(stubs: list[Server]) -> list[str]:
     return [server.url for server in stubs]
 
 
-def _set(urls: list[str], flavor: str) -> ReplicaSet[ServerClient]:
+def _set(urls: list[str], flavor: str) -> tuple[ReplicaSet[ServerClient], list[ServerClient]]:
+    """A replica set over `urls` and its clients, in the same order."""
     kind = registry.get(flavor)
-    members = [(url, kind.connect_to(url), url) for url in urls]
-    return ReplicaSet(members, ReplicaConfig(health_interval_s=0.5))
+    clients = [kind.connect_to(url) for url in urls]
+    members = [(url, client, url) for url, client in zip(urls, clients, strict=True)]
+    return ReplicaSet(members, ReplicaConfig(health_interval_s=0.5)), clients
 
 
 def _state(url: str) -> dict:
@@ -113,7 +115,7 @@ async def _until(what: str, predicate) -> None:
 async def test_a_keep_roll_pauses_no_call_for_another_and_labels_every_token(
     servers: list[str], flavor: str, tiny_model_dir: Path
 ) -> None:
-    rs = _set(servers, flavor)
+    rs, clients = _set(servers, flavor)
     finished: list[str] = []  # call names, in the order they finished
     try:
         # Two long calls, one streamed and one not: by least outstanding, one per server.
@@ -158,10 +160,30 @@ async def test_a_keep_roll_pauses_no_call_for_another_and_labels_every_token(
                 shorts.append((prompt, result))
                 finished.append("short")
 
+        # While each server reloads, one more call starts: it must go to the other one.
+        routed: list[tuple[str, str | None]] = []  # (the server reloading, the call's server)
+
+        def _probed(name: str, backend: ServerClient) -> Callable[..., Awaitable[None]]:
+            real = backend.load_weights
+
+            async def load_weights(source: WeightsSource, version: int, policy: SwapPolicy) -> None:
+                reload = asyncio.create_task(real(source, version, policy))
+                prompt = [len(routed) + 50, 8]
+                during = rs.start_stream(_request(prompt, SHORT))
+                routed.append((name, during.replica))
+                async for _ in during.tokens():
+                    pass
+                shorts.append((prompt, await during.result()))
+                finished.append("short")
+                await reload
+
+            return load_weights
+
+        for url, client in zip(servers, clients, strict=True):
+            client.load_weights = _probed(url, client)  # type: ignore[method-assign]
+
         callers = [asyncio.create_task(caller(n)) for n in range(1, 5)]
-        finished.append("roll-start")
         await asyncio.wait_for(rs.load_weights(tiny_model_dir, 1), GUARD_S)  # keep: default
-        finished.append("roll-end")
         assert not long_s.done() and not long_g.done(), "the long calls outlive the roll"
         rolled.set()
         await asyncio.wait_for(asyncio.gather(*callers), GUARD_S)
@@ -171,8 +193,7 @@ async def test_a_keep_roll_pauses_no_call_for_another_and_labels_every_token(
         # including those made while a server reloaded, finished before the long ones.
         assert set(finished[-2:]) == {"long-stream", "long-call"}
         assert finished.count("short") == len(shorts)
-        during = finished[finished.index("roll-start") : finished.index("roll-end")]
-        assert "short" in during, "calls were answered while the servers reloaded"
+        assert routed == [(servers[0], servers[1]), (servers[1], servers[0])]
         assert any(r.policy_version == 1 for _, r in shorts)
         # The long calls lived through their server's reload: each token labelled exactly.
         for prompt, result in zip((long_prompt_s, long_prompt_g), results, strict=True):
@@ -191,7 +212,7 @@ async def test_a_keep_roll_pauses_no_call_for_another_and_labels_every_token(
 async def test_drain_still_finishes_calls_on_the_old_weights(
     servers: list[str], flavor: str, tiny_model_dir: Path
 ) -> None:
-    rs = _set(servers, flavor)
+    rs, _ = _set(servers, flavor)
     try:
         prompt = [31, 32, 33]
         call = asyncio.create_task(rs.generate(_request(prompt, 200)))
@@ -211,7 +232,7 @@ async def test_a_call_that_lived_through_a_reload_and_lost_its_server_moves_whol
 ) -> None:
     """A non-streaming call whose server dies after a keep-mode reload is answered, whole,
     by the other replica: nothing of the failed attempt reaches the result."""
-    rs = _set(servers, flavor)
+    rs, _ = _set(servers, flavor)
     try:
         prompt = [41, 42, 43]
         call = asyncio.create_task(rs.generate(_request(prompt, LONG)))
