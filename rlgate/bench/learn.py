@@ -100,6 +100,11 @@ def trl_python(venv: Path = TRL_VENV) -> Path:
     return python
 
 
+def trl_script() -> Path:
+    """The script TRL's side runs in its own virtual environment (`learn_trl.py`, beside this)."""
+    return Path(__file__).with_name("learn_trl.py")
+
+
 def run_trl(cfg: LearnConfig, model_dir: Path, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     spec = asdict(cfg) | {
@@ -111,7 +116,7 @@ def run_trl(cfg: LearnConfig, model_dir: Path, out: Path) -> dict[str, Any]:
     (out / "spec.json").write_text(json.dumps(spec, indent=2))
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    script = Path(__file__).with_name("bench_learn_trl.py")
+    script = trl_script()
     with (out / "trl.log").open("wb") as log:
         proc = subprocess.run(
             [str(trl_python()), str(script), str(out / "spec.json")],

@@ -147,3 +147,11 @@ def test_the_cli_registers_bench_learn():
     args = build_parser().parse_args(["bench", "learn", "--budget", "64", "--seeds", "0,1"])
     assert (args.budget, args.seeds, args.model) == (64, "0,1", "smollm2")
     assert args.func.__module__ == "rlgate.bench.learn"
+
+
+def test_trl_side_script_is_the_module_beside_the_bench() -> None:
+    """TRL's side runs a file by path in another venv: a renamed module must not break it."""
+    from rlgate.bench import learn, learn_trl
+
+    assert learn.trl_script() == Path(learn_trl.__file__)
+    assert learn.trl_script().is_file()
