@@ -1,8 +1,10 @@
 """VLLMBackend against an in-process stand-in transport (no vLLM): request shape, SSE
-parsing, error mapping, and the swap ordering (drain, pause, reload, resume).
+parsing, error mapping, the swap ordering (drain and keep: pause, reload, label,
+resume) and the weights labels that give each token its version.
 
 The stand-in answers the subset of vLLM's HTTP API the backend uses, as vLLM
-0.32 does (checked against the real server in tests/integration/test_vllm.py).
+0.32 does (checked against the real server in tests/integration/test_vllm.py and
+tests/integration/test_vllm_keep_swap.py).
 """
 
 from __future__ import annotations
@@ -16,21 +18,44 @@ import pytest
 
 from inference.backend import BackendError, BackendOverloaded
 from inference.http_common import HttpBackendConfig, check_status
-from inference.types import GenerateRequest, SamplingParams
-from inference.vllm_http import VLLMBackend, completion_body
+from inference.types import DRAIN, GenerateRequest, SamplingParams, SwapPolicy
+from inference.vllm_http import (
+    ServerLabel,
+    VLLMBackend,
+    completion_body,
+    generate_body,
+    lane_starts,
+    server_command,
+)
 
 
 class FakeVLLM:
-    """Records calls; completions return `tokens` with logprob -0.5 each; can be held."""
+    """Records calls; generations return `tokens` with logprob -0.5 each; can be held.
+
+    Every token carries the label set by `/update_weight_version` when the fake sampled
+    it (`weight_versions`, as vLLM gives them); `/weight_info` reads the label back.
+    """
 
     def __init__(self, tokens: list[int] | None = None) -> None:
         self.tokens = tokens or [5, 6, 7]
         self.calls: list[str] = []
         self.bodies: list[dict] = []
+        self.params: list[dict] = []  # query parameters of each /pause
+        self.labels: list[str] = []  # every label set, in order
+        self.label = "default"
         self.release = asyncio.Event()
         self.release.set()
         self.status = 200
         self.error_body = ""
+
+    def spans(self, labels: list[str]) -> list[dict]:
+        out: list[dict] = []
+        for i, label in enumerate(labels):
+            if out and out[-1]["version"] == label:
+                out[-1]["end"] = i + 1
+            else:
+                out.append({"version": label, "start": i, "end": i + 1})
+        return out
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -39,26 +64,38 @@ class FakeVLLM:
         if path == "/health":
             return httpx.Response(200)
         self.calls.append(path)
-        if path != "/v1/completions":
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.label})
+        if path == "/update_weight_version":
+            self.label = json.loads(request.content)["new_version"]
+            self.labels.append(self.label)
+            return httpx.Response(200, json={"success": True})
+        if path == "/pause":
+            self.params.append(dict(request.url.params))
+        if path != "/inference/v1/generate":
             return httpx.Response(200, json={})
         body = json.loads(request.content)
         self.bodies.append(body)
         if self.status != 200:
             return httpx.Response(self.status, text=self.error_body)
+        labels = [self.label]  # the first token is sampled at once, the rest once released
         await self.release.wait()
+        labels += [self.label] * (len(self.tokens) - 1)
         self.calls.append("completion-done")
         if body["stream"]:
             events = [
-                {"choices": [{"token_ids": [t], "logprobs": {"token_logprobs": [-0.5]}}]}
+                {"choices": [{"token_ids": [t], "logprobs": {"content": [{"logprob": -0.5}]}}]}
                 for t in self.tokens
             ]
-            events[-1]["choices"][0]["finish_reason"] = "length"
+            last = events[-1]["choices"][0]
+            last["finish_reason"], last["weight_versions"] = "length", self.spans(labels)
             text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
             return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
         choice = {
             "token_ids": self.tokens,
-            "logprobs": {"token_logprobs": [-0.5] * len(self.tokens)},
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in self.tokens]},
             "finish_reason": "stop",
+            "weight_versions": self.spans(labels),
         }
         return httpx.Response(200, json={"choices": [choice]})
 
@@ -77,15 +114,31 @@ REQ = GenerateRequest(
 
 
 def test_body_maps_sampling_params_one_to_one() -> None:
-    body = completion_body("m", REQ, stream=False)
-    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 4
-    assert (body["temperature"], body["top_p"], body["seed"]) == (0.7, 0.9, 11)
-    assert body["return_token_ids"] is True and body["logprobs"] == 0
-    assert body["stop_token_ids"] == [2] and body["ignore_eos"] is True
-    assert "stop" not in body  # no stop strings asked for
-    assert body["top_k"] == 0  # off, whatever the model's generation_config says
-    params = SamplingParams(top_k=5)
-    assert completion_body("m", GenerateRequest([1], params), stream=False)["top_k"] == 5
+    body = generate_body("m", REQ, stream=False)
+    assert body["token_ids"] == [1, 2, 3] and body["model"] == "m" and body["stream"] is False
+    sp = body["sampling_params"]
+    assert sp["max_tokens"] == 4 and sp["logprobs"] == 0
+    assert (sp["temperature"], sp["top_p"], sp["seed"]) == (0.7, 0.9, 11)
+    assert sp["stop_token_ids"] == [2] and sp["ignore_eos"] is True
+    assert "stop" not in sp  # no stop strings asked for
+    assert sp["top_k"] == 0  # off, whatever the model's generation_config says
+    params = SamplingParams(top_k=5, stop=("\n\n",))
+    sp = generate_body("m", GenerateRequest([1], params, adapter="a"), stream=True)
+    assert sp["model"] == "a" and sp["sampling_params"]["top_k"] == 5
+    assert sp["sampling_params"]["stop"] == ["\n\n"]
+    # /v1/completions takes the same sampling, flat
+    flat = completion_body("m", REQ, stream=False)
+    assert flat["prompt"] == [1, 2, 3] and flat["return_token_ids"] is True
+    same = generate_body("m", REQ, stream=False)["sampling_params"]
+    assert {k: flat[k] for k in same} == same
+
+
+def test_server_command_enables_the_token_api() -> None:
+    from inference.launch import ServerConfig
+
+    cmd = server_command(ServerConfig(kind="vllm", model_dir=Path("m"), python=Path("py")))
+    assert "--enable-scale-out" in cmd
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
 
 
 async def test_generate_and_stream_return_ids_logprobs_and_version() -> None:
@@ -146,14 +199,14 @@ async def test_swap_drains_in_flight_then_reloads_and_new_requests_wait(tmp_path
     await be.server_info()
     fake.release.clear()  # hold the next completion in flight
     first = asyncio.create_task(be.generate(REQ))
-    while "/v1/completions" not in fake.calls:
+    while "/inference/v1/generate" not in fake.calls:
         await asyncio.sleep(0.01)
-    swap = asyncio.create_task(be.load_weights(tmp_path, 1))
+    swap = asyncio.create_task(be.load_weights(tmp_path, 1, DRAIN))
     await asyncio.sleep(0.05)
     later = asyncio.create_task(be.generate(REQ))  # arrives during the swap: waits at the gate
     await asyncio.sleep(0.05)
     assert "/pause" not in fake.calls  # the in-flight request is not cut off
-    assert fake.calls.count("/v1/completions") == 1  # the later request has not been sent
+    assert fake.calls.count("/inference/v1/generate") == 1  # the later request has not been sent
     fake.release.set()
     await swap
     r1, r2 = await first, await later
@@ -161,9 +214,13 @@ async def test_swap_drains_in_flight_then_reloads_and_new_requests_wait(tmp_path
     i = fake.calls.index
     assert i("completion-done") < i("/pause") < i("/collective_rpc") < i("/resume")
     assert fake.calls.index("/resume") < len(fake.calls) - 1 - fake.calls[::-1].index(
-        "/v1/completions"
+        "/inference/v1/generate"
     )
     assert be.version == 1
+    assert fake.params == [{"mode": "wait", "clear_cache": "true"}]
+    assert i("/collective_rpc") < i("/update_weight_version") < i("/resume")
+    assert ServerLabel.decode(fake.label) == ServerLabel(1, {})
+    assert r2.version_starts == ()  # a drained swap: one version per completion
     await be.close()
 
 
@@ -190,9 +247,9 @@ async def test_swap_aborts_stragglers_after_the_drain_timeout(tmp_path: Path) ->
     fake.release.clear()  # both requests below hang until aborted
     stuck = asyncio.create_task(be.generate(REQ))
     stream = be.start_stream(REQ)
-    while fake.calls.count("/v1/completions") < 2:
+    while fake.calls.count("/inference/v1/generate") < 2:
         await asyncio.sleep(0.01)
-    await be.load_weights(tmp_path, 1)
+    await be.load_weights(tmp_path, 1, DRAIN)
     with pytest.raises(BackendError, match="drain timeout"):
         await stuck
     with pytest.raises(BackendError, match="drain timeout"):
@@ -210,7 +267,7 @@ async def test_stream_cancel_keeps_the_version_it_was_admitted_on(tmp_path: Path
     be = _backend(fake)
     fake.release.clear()
     stream = be.start_stream(REQ)
-    while "/v1/completions" not in fake.calls:
+    while "/inference/v1/generate" not in fake.calls:
         await asyncio.sleep(0.01)
     stream.cancel()
     result = await stream.result()
@@ -221,3 +278,82 @@ async def test_stream_cancel_keeps_the_version_it_was_admitted_on(tmp_path: Path
     )
     assert [t async for t, _ in stream.tokens()] == []
     await be.close()
+
+
+@pytest.mark.parametrize("clear_kv", [True, False])
+async def test_keep_swap_pauses_in_place_labels_and_the_server_spans_give_versions(
+    tmp_path: Path, clear_kv: bool
+) -> None:
+    """A keep-mode swap does not wait for the requests in flight: it pauses with
+    mode=keep, reloads, labels the new weights while still paused, resumes; the held
+    request's tokens sampled after the label report the new version from that index."""
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    fake = FakeVLLM(tokens=[5, 6, 7, 8])
+    be = _backend(fake)
+    await be.load_weights(tmp_path, 3, SwapPolicy("keep", clear_kv))  # labels v3
+    fake.release.clear()  # the next generation samples one token, then waits
+    stream = be.start_stream(REQ)
+    plain = asyncio.create_task(be.generate(REQ))
+    while fake.calls.count("/inference/v1/generate") < 2:
+        await asyncio.sleep(0.01)
+    await be.load_weights(tmp_path, 4, SwapPolicy("keep", clear_kv))  # while both are held
+    assert "completion-done" not in fake.calls  # the swap waited for neither
+    clear = "true" if clear_kv else "false"
+    assert fake.params[-1] == {"mode": "keep", "clear_cache": clear}
+    calls = fake.calls[fake.calls.index("/pause", 5) :]
+    assert calls[:5] == [
+        "/pause", "/collective_rpc", "/weight_info", "/update_weight_version", "/resume"
+    ]  # fmt: skip
+    assert [ServerLabel.decode(x) for x in fake.labels] == [ServerLabel(3), ServerLabel(4)]
+    fake.release.set()
+    for result in (await stream.result(), await plain):
+        assert result.version_starts == ((0, 3), (1, 4)) and result.policy_version == 3
+    assert (await be.generate(REQ)).version_starts == ()  # all by v4
+    assert (await be.generate(REQ)).policy_version == 4
+    await be.close()
+
+
+async def test_the_label_keeps_other_clients_lanes_and_each_adapter_maps_its_own(
+    tmp_path: Path,
+) -> None:
+    """One label serves every client of a server: a client rewrites only its own lanes,
+    and a request reads the version of its own lane (base, or its adapter)."""
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / f).write_text("{}")
+    fake = FakeVLLM()
+    fake.label = ServerLabel(0, {"other-run": 7}).encode()  # another process's adapter
+    be = _backend(fake)
+    await be.load_adapter("a", tmp_path, 2)  # first load: labelled at once
+    assert ServerLabel.decode(fake.label) == ServerLabel(0, {"a": 2, "other-run": 7})
+    fake.release.clear()
+    on_a = be.start_stream(GenerateRequest([1, 2], adapter="a"))
+    on_base = be.start_stream(GenerateRequest([1, 2]))
+    while fake.calls.count("/inference/v1/generate") < 2:
+        await asyncio.sleep(0.01)
+    await be.load_adapter("a", tmp_path / ".", 3)  # keep: the whole server pauses
+    assert ServerLabel.decode(fake.label) == ServerLabel(0, {"a": 3, "other-run": 7})
+    assert fake.params[-1]["mode"] == "keep"
+    fake.release.set()
+    ra, rb = await on_a.result(), await on_base.result()
+    assert ra.version_starts == ((0, 2), (1, 3))
+    assert rb.version_starts == () and rb.policy_version == 0  # its lane did not change
+    await be.close()
+
+
+def test_label_round_trip_and_lane_starts() -> None:
+    label = ServerLabel(4, {"b": 1, "a": 9})
+    assert label.encode() == '{"base":4,"lora":{"a":9,"b":1}}'
+    assert ServerLabel.decode(label.encode()) == label
+    for foreign in ("default", "4", "{not json", '{"base":"x"}', None):
+        assert ServerLabel.decode(foreign) is None
+    spans = [
+        {"version": ServerLabel(4, {"a": 1}).encode(), "start": 0, "end": 5},
+        {"version": ServerLabel(5, {"a": 1}).encode(), "start": 5, "end": 9},
+    ]
+    assert lane_starts(spans, None, newest=5, n_tokens=9) == ((0, 4), (5, 5))
+    assert lane_starts(spans, "a", newest=1, n_tokens=9) == ((0, 1),)
+    assert lane_starts(spans, "zz", newest=1, n_tokens=9) is None  # a lane it lacks
+    assert lane_starts(spans, None, newest=4, n_tokens=9) is None  # a label ahead of us
+    assert lane_starts([{"version": "default", "start": 0, "end": 9}], None, 0, 9) is None
+    assert lane_starts(spans[::-1], None, newest=5, n_tokens=9) is None  # going backwards
+    assert lane_starts(None, None, 0, 3) is None and lane_starts([], None, 0, 3) is None
