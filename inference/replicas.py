@@ -52,8 +52,10 @@ backend is one). A request naming an adapter goes only to replicas that
 serve it. `load_adapter` rolls the same way, one replica at a time and with
 the same `SwapPolicy` (passed to the replica's own `load_adapter`), but for
 that adapter only: while a replica swaps it, the adapter's requests go to the
-others (if none has it, they wait at that replica's adapter gate), and the
-replica's other traffic is untouched. `unload_adapter` drops it everywhere.
+others (if none has it, they wait at that replica's adapter gate), and with
+`drain` the replica's other traffic is untouched. A `keep` load pauses the
+replica's whole server, so the replica is paused for routing meanwhile, as
+for a weight reload. `unload_adapter` drops it everywhere.
 A replica that comes back gets the set's newest weights, then every adapter
 loaded into the set. `adapter_version` is the lowest version of the adapter
 among the routable replicas that serve it.
@@ -65,7 +67,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -89,7 +91,7 @@ class Replica(Generic[B]):
     url: str | None = None
     healthy: bool = True
     loading: bool = False  # out of routing while a drain-mode roll drains and reloads it
-    paused: bool = False  # a keep-mode reload: routed to only when no other replica is
+    pauses: int = 0  # keep-mode loads under way (server paused): routed to only if no other
     outstanding: int = 0
     served: int = 0
     last_pick: int = 0  # when the router last chose it (a counter), for round-robin ties
@@ -101,6 +103,20 @@ class Replica(Generic[B]):
     @property
     def routable(self) -> bool:
         return self.healthy and not self.loading
+
+    @property
+    def paused(self) -> bool:
+        return self.pauses > 0
+
+    @contextlib.contextmanager
+    def pausing(self, policy: SwapPolicy) -> Iterator[None]:
+        """Counted as paused while a load with `policy` runs, if it is a keep-mode one."""
+        keep = policy.mode == "keep"
+        self.pauses += keep
+        try:
+            yield
+        finally:
+            self.pauses -= keep
 
     def adapter_version(self, name: str) -> int | None:
         backend = self.backend
@@ -292,7 +308,9 @@ class ReplicaSet(Generic[B]):
                     continue
                 replica.swapping.add(name)
                 try:
-                    await replica.adapter_backend().load_adapter(name, adapter_dir, version, policy)
+                    with replica.pausing(policy):  # a keep load pauses the whole server
+                        backend = replica.adapter_backend()
+                        await backend.load_adapter(name, adapter_dir, version, policy)
                 except Exception as exc:
                     failed.append(replica.name)
                     await self._on_adapter_failure(
@@ -587,15 +605,15 @@ class ReplicaSet(Generic[B]):
         and go on with `version`."""
         async with replica.lock:
             others = any(r.routable for r in self._replicas if r is not replica)
-            keep = policy.mode == "keep"
-            replica.paused, replica.loading = keep, others and not keep
+            replica.loading = others and policy.mode == "drain"
             try:
-                if replica.loading:
-                    await self._drain(replica)
-                await replica.backend.load_weights(source, version, policy)
+                with replica.pausing(policy):
+                    if replica.loading:
+                        await self._drain(replica)
+                    await replica.backend.load_weights(source, version, policy)
                 logger.info("replica %s now serves version %d", replica.name, version)
             finally:
-                replica.paused = replica.loading = False
+                replica.loading = False
 
 
 def shared_policy(server: ServerClient, policy: SwapPolicy) -> SwapPolicy:

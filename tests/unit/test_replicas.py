@@ -356,6 +356,58 @@ async def test_keep_reloads_in_place_and_routes_new_calls_to_the_others(tmp_path
     await rs.close()
 
 
+class FakeAdapterBackend(FakeBackend):
+    """A FakeBackend that also serves LoRA adapters; `load_gate` holds an adapter load."""
+
+    def __init__(self, name: str, token: int) -> None:
+        super().__init__(name, token)
+        self.adapters: dict[str, int] = {}
+        self.adapter_policies: list[SwapPolicy] = []
+
+    def adapter_version(self, name: str) -> int | None:
+        return self.adapters.get(name)
+
+    async def load_adapter(
+        self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
+    ) -> None:
+        self.adapter_policies.append(policy)
+        if self.load_gate is not None:
+            await self.load_gate.wait()
+        self.adapters[name] = version
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+
+async def test_a_keep_adapter_load_routes_the_replicas_other_calls_around_it(
+    tmp_path: Path,
+) -> None:
+    """A keep-mode adapter load pauses the replica's whole server: base-model calls made
+    meanwhile go to the other replica; with drain they may still go to it."""
+    a, b = FakeAdapterBackend("a", 1), FakeAdapterBackend("b", 2)
+    rs = make(a, b)
+    await rs.load_adapter("x", tmp_path, 1)
+    a.load_gate = asyncio.Event()
+    load = asyncio.create_task(rs.load_adapter("x", tmp_path, 2))  # keep: default
+    while not a.adapter_policies[1:]:
+        await asyncio.sleep(0)
+    during = await asyncio.gather(*(rs.generate(req()) for _ in range(3)))
+    assert [r.output_token_ids[0] for r in during] == [2, 2, 2]
+    a.load_gate.set()
+    await load
+    assert (a.adapter_policies, b.adapter_policies) == ([KEEP, KEEP], [KEEP, KEEP])
+    a.load_gate = asyncio.Event()
+    load = asyncio.create_task(rs.load_adapter("x", tmp_path, 3, DRAIN))
+    while not a.adapter_policies[2:]:
+        await asyncio.sleep(0)
+    during = await asyncio.gather(*(rs.generate(req()) for _ in range(3)))
+    assert {r.output_token_ids[0] for r in during} == {1, 2}, "drain leaves a's base calls"
+    a.load_gate.set()
+    await load
+    assert rs.adapter_version("x") == 3
+    await rs.close()
+
+
 async def test_single_replica_reloads_in_place(tmp_path: Path) -> None:
     a = FakeBackend("a", 1)
     rs = make(a)
