@@ -136,9 +136,17 @@ class Flight:
     def result(
         self, ids: list[int], lps: list[float], finish: FinishReason, server: VersionStarts | None
     ) -> GenerateResult:
-        """The completion; the server's labels (`server`) win over the marks."""
+        """The completion; the server's labels (`server`) win over the marks. Tokens before
+        the first labelled one (starts after 0: the server's label then was none of
+        rlgate's) were sampled by the version it was admitted on."""
         if server:
-            return result_with_marks(ids, lps, finish, list(server))
+            marks = list(server)
+            if marks[0][0] > 0:
+                marks.insert(0, (0, self.version))
+            try:
+                return result_with_marks(ids, lps, finish, marks)
+            except ValueError:  # an older version than admitted: not labels of this lane
+                logger.warning("server labels %s do not fit v%d; using marks", server, self.version)
         if self.swapped and not self.streamed:
             raise BackendError(
                 "a keep-mode swap happened during a non-streaming call whose answer "

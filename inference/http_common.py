@@ -28,7 +28,7 @@ import yarl
 
 from core.config import ServerCredentials
 from inference.backend import BackendError, BackendOverloaded
-from inference.types import VersionStarts, check_version_starts
+from inference.types import VersionStarts
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +283,13 @@ def _sse_event(line: bytes) -> Any:
 def version_starts_of(spans: Any, n_tokens: int) -> VersionStarts | None:
     """`VersionStarts` from a server's per-token weight labels, vLLM's `weight_versions`
     (`[{"version": "<label>", "start": i, "end": j}, ...]`, labels that rlgate set to the
-    version number); None when there are none or a label is not a version number (the
-    caller then falls back on its own marks)."""
+    version number).
+
+    Leading spans whose label is no version number (vLLM's first label, "default", before
+    rlgate labelled the server) are left out: the starts then begin after token 0, and
+    `HttpBackend` gives those tokens the version the request was admitted on. None when
+    there is no labelled span, a later label is no version number, or the versions go back.
+    """
     if not isinstance(spans, list) or not spans:
         return None
     starts: list[tuple[int, int]] = []
@@ -292,11 +297,18 @@ def version_starts_of(spans: Any, n_tokens: int) -> VersionStarts | None:
         for span in sorted(spans, key=lambda s: int(s["start"])):
             if int(span["end"]) <= int(span["start"]):
                 continue
-            version = int(span["version"])
-            if starts and starts[-1][1] == version:
+            label = str(span["version"])
+            if not label.lstrip("-").isdigit():
+                if starts:
+                    return None
                 continue
-            starts.append((int(span["start"]), version))
-        check_version_starts(tuple(starts), n_tokens)
+            version = int(label)
+            if starts and version < starts[-1][1]:
+                return None
+            if not starts or version > starts[-1][1]:
+                starts.append((int(span["start"]), version))
     except (KeyError, TypeError, ValueError):
+        return None
+    if not starts or starts[-1][0] >= max(n_tokens, 1):
         return None
     return tuple(starts)

@@ -191,12 +191,11 @@ async def test_sglang_keep_swap_marks_every_call_where_the_new_version_began(
 
 async def test_server_labels_give_each_call_its_versions(vllm_stub: str, tmp_path: Path) -> None:
     """The non-streaming calls go out as one JSON call each, which the backend cannot mark:
-    only the server's `weight_versions` can tell where their versions changed."""
+    only the server's `weight_versions` can tell where their versions changed. Before the
+    swap the server's label is its own first one, no version number: those tokens get the
+    version the call was admitted on."""
     backend = Labelled(HttpBackendConfig(base_url=vllm_stub))
-    # labelled with its version first, as a backend does when it loads one: the server's
-    # own first label ("default") is no version number
-    httpx.post(vllm_stub + "/update_weight_version", json={"new_version": "0"})
-    try:
+    try:  # the tokens before the swap carry the server's first label, "default"
         await swap_under_load(backend, vllm_stub, tmp_path, KEEP)
     finally:
         await backend.close()
@@ -248,7 +247,9 @@ def test_server_labels_become_version_starts() -> None:
     assert version_starts_of([span("2", 0, 0), span("3", 0, 4)], 4) == ((0, 3),)  # empty span
     assert version_starts_of([span("default", 0, 4)], 4) is None  # not a version number
     assert version_starts_of([span("4", 0, 2), span("3", 2, 4)], 4) is None  # going back
-    assert version_starts_of([span("3", 1, 4)], 4) is None  # the first token unlabelled
+    # vLLM's first label: the tokens before rlgate's first label are left to the caller
+    assert version_starts_of([span("default", 0, 2), span("3", 2, 4)], 4) == ((2, 3),)
+    assert version_starts_of([span("3", 0, 2), span("default", 2, 4)], 4) is None
     assert version_starts_of(None, 4) is None and version_starts_of([], 0) is None
 
 
