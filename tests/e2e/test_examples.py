@@ -84,3 +84,19 @@ def test_framework_examples(env, gateway_server, script: str, episode: str, answ
             (episode,),
         )
         assert turns == [(0, 0), (1, 0)], turns
+
+
+def test_token_versions_example(env) -> None:
+    """The example reads `policy_version` (and `version_starts`, when a swap happened
+    mid-call) from a plain and a streamed answer; no swap happens here, so each answer
+    names the run's one served version from token 0."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "token_versions.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "versions: from token 0: v0" in out.stdout
+    assert "streamed versions: from token 0: v0" in out.stdout
