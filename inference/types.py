@@ -76,7 +76,8 @@ class SwapPolicy:
     then records where every version began (`GenerateResult.version_starts`).
     `clear_kv` True recomputes a kept request's KV cache with the new weights
     (every token after the swap is computed entirely by them); False keeps
-    the KV the old weights computed (faster; AReaL-style).
+    the KV the old weights computed (faster; PipelineRL's in-flight update; AReaL
+    recomputes it, as True does).
 
     `drain`: new requests wait while the requests in flight finish on the
     old weights (up to the backend's drain timeout), then the weights

@@ -178,7 +178,7 @@ class RunConfig(BaseModel):
     swap_clear_kv: bool = Field(
         True,
         description="keep: recompute a paused generation's KV cache with the new weights "
-        "(true), or keep the old weights' KV (false: faster, AReaL-style)",
+        "(true, as AReaL does), or keep the old weights' KV (false: faster, PipelineRL-style)",
     )
     save_every_steps: int = Field(
         10,
