@@ -26,7 +26,7 @@ from inference.http_common import HttpBackendConfig
 from inference.replicas import ReplicaConfig, ReplicaSet
 from inference.sglang_http import SGLangBackend
 from inference.stub_server import StubConfig, StubState, adapter_salt, launch
-from inference.types import GenerateRequest, SamplingParams
+from inference.types import DRAIN, GenerateRequest, SamplingParams
 from inference.vllm_http import VLLMBackend
 from rlgate.stack import free_port, stop, wait_healthy
 
@@ -129,8 +129,9 @@ async def test_reload_in_place_serves_the_new_weights_and_leaves_other_adapters(
 async def test_an_adapter_swap_drains_only_that_adapters_requests(
     server: tuple[str, str], tmp_path: Path
 ) -> None:
-    """The ordering contract per adapter: A's in-flight request finishes on A v1; an A request
-    arriving during the swap waits and gets v2; B's requests are neither held nor changed."""
+    """The drain-mode contract per adapter: A's in-flight request finishes on A v1; an A
+    request arriving during the swap waits and gets v2; B's requests are neither held nor
+    changed. (Keep mode pauses the whole server: tests/unit/test_http_backend_keep.py.)"""
     flavor, url = server
     be = backend(flavor, url)
     a1, a2, b = (adapter_dir(tmp_path, n) for n in ("a1", "a2", "b1"))
@@ -138,7 +139,7 @@ async def test_an_adapter_swap_drains_only_that_adapters_requests(
     await be.load_adapter("run-b", b, 1)
     in_flight = asyncio.create_task(be.generate(req("run-a", n=8)))  # ~1 s on the stand-in
     await asyncio.sleep(0.05)  # admitted
-    swap = asyncio.create_task(be.load_adapter("run-a", a2, 2))
+    swap = asyncio.create_task(be.load_adapter("run-a", a2, 2, DRAIN))
     await asyncio.sleep(0.05)
     arriving = asyncio.create_task(be.generate(req("run-a")))
     other = await be.generate(req("run-b", n=1))  # ~0.3 s, while A is being swapped
