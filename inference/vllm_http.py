@@ -65,19 +65,29 @@ and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, which `rlgate inference serve
 `"model": name`. `load_adapter` posts `/v1/load_lora_adapter` with
 `load_inplace: true`: vLLM (0.32) then keeps the adapter's LoRA int id,
 loads the new weights first and swaps them for the old ones in its adapter
-cache, so a failed load leaves the old adapter served. vLLM has no pause of
-one adapter's requests, so a keep-mode reload pauses the whole server: every
-other adapter's and the base model's requests freeze for the pause, the load
-and the label, about 0.2 s for a rank-8 SmolLM2-135M adapter on 2 CPU
-cores (the pause itself waits for the engine step in flight), plus with
-`clear_kv` the recomputation of their KV (measured in
-tests/integration/test_vllm_keep_swap.py). Its prefix cache keys an
-adapter's blocks by (name, path), not by weights: a reload from a new
-directory (what rlgate's checkpoints are, one per version) never reuses the
-old weights' KV, but a reload from the directory already served would. That
-case pauses the server with its prefix cache cleared, as a drain-mode weight
-swap does (inside a keep-mode swap the server is paused already, with the
-swap's `clear_kv`). `/v1/unload_lora_adapter` only removes the name from
+cache, so a failed load leaves the old adapter served.
+
+An adapter is always replaced in drain mode, whatever the policy asks: the
+adapter's requests in flight finish on the old weights while its new ones
+wait, and the other adapters and the base model go on without a pause. A
+keep-mode replacement cannot be exact on vLLM 0.32: each request carries the
+`LoRARequest` it was admitted with (the old path, `load_inplace`), and the
+engine re-applies that adapter in place when it schedules the request, so a
+request running across the swap goes on with the OLD weights (after a
+keep-mode pause its logprobs differed from the old adapter's by 0.0 and from
+the new one's by up to 1.5), and sharing a batch with a new request it would swap the
+weights back under it. What a keep pause would have cost the other adapters
+(measured with a rank-8 SmolLM2-135M adapter on 2 busy CPU cores): one stall
+of about 0.2 s (the pause waits for the engine step in flight, then the load
+and the label), plus with `clear_kv` the recomputation of their KV (their
+longest gap between two tokens 0.4-0.9 s against a median of 0.15 s;
+tests/integration/test_vllm_keep_swap.py checks the drain and logs the
+other adapter's stall). vLLM's prefix cache keys an adapter's blocks by
+(name, path), not by weights: a reload from a new directory (what rlgate's
+checkpoints are, one per version) never reuses the old weights' KV, but a
+reload from the directory already served would. That case pauses the server
+with its prefix cache cleared, as a drain-mode weight swap does.
+`/v1/unload_lora_adapter` only removes the name from
 vLLM's API server: the engine keeps the weights cached until its LRU
 (`--max-cpu-loras`, default `--max-loras`) evicts them.
 """
@@ -96,7 +106,7 @@ from inference.backend import BackendError
 from inference.http_backend import Completion, HttpBackend, StreamEvent
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
-from inference.types import KEEP, FinishReason, GenerateRequest, SwapPolicy, VersionStarts
+from inference.types import DRAIN, KEEP, FinishReason, GenerateRequest, SwapPolicy, VersionStarts
 from inference.weight_source import WIRE_DIR, CollectiveSource, open_transfer
 
 logger = logging.getLogger(__name__)
@@ -387,7 +397,11 @@ class VLLMBackend(HttpBackend):
     async def load_adapter(
         self, name: str, adapter_dir: Path, version: int, policy: SwapPolicy = KEEP
     ) -> None:
-        """`HttpBackend.load_adapter`, with `version` known to `_load_adapter`'s label."""
+        """`HttpBackend.load_adapter` in drain mode (the module docstring says why), with
+        `version` known to `_load_adapter`'s label."""
+        if policy.mode == "keep" and self.adapter_version(name) is not None:
+            logger.debug("vLLM at %s: adapter %r v%d replaced draining", self.url, name, version)
+            policy = DRAIN
         loading = self._loading = self._loading or {}
         loading[name] = version
         try:

@@ -18,7 +18,7 @@ import pytest
 
 from inference.backend import BackendError, BackendOverloaded
 from inference.http_common import HttpBackendConfig, check_status
-from inference.types import DRAIN, GenerateRequest, SamplingParams, SwapPolicy
+from inference.types import DRAIN, KEEP, GenerateRequest, SamplingParams, SwapPolicy
 from inference.vllm_http import (
     ServerLabel,
     VLLMBackend,
@@ -313,30 +313,38 @@ async def test_keep_swap_pauses_in_place_labels_and_the_server_spans_give_versio
     await be.close()
 
 
-async def test_the_label_keeps_other_clients_lanes_and_each_adapter_maps_its_own(
+async def test_the_label_keeps_other_clients_lanes_and_adapters_swap_draining(
     tmp_path: Path,
 ) -> None:
     """One label serves every client of a server: a client rewrites only its own lanes,
-    and a request reads the version of its own lane (base, or its adapter)."""
-    for f in ("adapter_config.json", "adapter_model.safetensors"):
-        (tmp_path / f).write_text("{}")
+    and a request reads the version of its own lane (base, or its adapter). An adapter
+    is replaced draining even when keep is asked (vLLM keeps a running request on the
+    adapter it was admitted with), without pausing the server for the other lanes."""
+    for d in ("v2", "v3"):
+        (tmp_path / d).mkdir()
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            (tmp_path / d / f).write_text("{}")
     fake = FakeVLLM()
     fake.label = ServerLabel(0, {"other-run": 7}).encode()  # another process's adapter
     be = _backend(fake)
-    await be.load_adapter("a", tmp_path, 2)  # first load: labelled at once
+    await be.load_adapter("a", tmp_path / "v2", 2)  # first load: labelled at once
     assert ServerLabel.decode(fake.label) == ServerLabel(0, {"a": 2, "other-run": 7})
     fake.release.clear()
     on_a = be.start_stream(GenerateRequest([1, 2], adapter="a"))
     on_base = be.start_stream(GenerateRequest([1, 2]))
     while fake.calls.count("/inference/v1/generate") < 2:
         await asyncio.sleep(0.01)
-    await be.load_adapter("a", tmp_path / ".", 3)  # keep: the whole server pauses
-    assert ServerLabel.decode(fake.label) == ServerLabel(0, {"a": 3, "other-run": 7})
-    assert fake.params[-1]["mode"] == "keep"
+    swap = asyncio.create_task(be.load_adapter("a", tmp_path / "v3", 3, KEEP))
+    await asyncio.sleep(0.05)
+    assert not swap.done() and "/v1/load_lora_adapter" not in fake.calls[-3:]  # draining
     fake.release.set()
+    await swap
+    assert ServerLabel.decode(fake.label) == ServerLabel(0, {"a": 3, "other-run": 7})
+    assert "/pause" not in fake.calls  # the other lanes never paused
     ra, rb = await on_a.result(), await on_base.result()
-    assert ra.version_starts == ((0, 2), (1, 3))
-    assert rb.version_starts == () and rb.policy_version == 0  # its lane did not change
+    assert (ra.policy_version, ra.version_starts) == (2, ())  # finished on v2
+    assert (rb.policy_version, rb.version_starts) == (0, ())  # the label changed, not its lane
+    assert (await be.generate(GenerateRequest([1], adapter="a"))).policy_version == 3
     await be.close()
 
 
