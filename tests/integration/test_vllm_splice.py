@@ -1,7 +1,7 @@
 """A real vLLM (CPU build) sampling byte tokens that do not survive text: the next turns splice.
 
-Issue #22, item 2, on vLLM. The server serves `tiny` scripted to answer a CJK
-character cut after two bytes, a NUL, <|im_start|>, 0xFF and a cut emoji
+The server serves `tiny` scripted to answer a CJK character cut after two
+bytes, a NUL, <|im_start|>, 0xFF and a cut emoji
 (`tests.forced_tokens.byte_script`) to every turn. The agent echoes what it
 received (U+FFFD where the bytes form no character); every later turn must
 continue the exact sampled ids, through chat, streaming and the Responses
