@@ -21,9 +21,11 @@ Two setups:
 
 Per mode (`mode_figures`): the stall per swap, the larger of the longest
 added admission wait of a call started during the swap (its time to first
-token less the median of calls no swap touched) and the longest added gap
-between two tokens of a stream in flight when the swap began (less the
-median time per token of those calls); the time the backend's
+token less the median of calls no swap touched) and the longest added wait
+between two tokens of a stream across the swap (a wait that overlaps it, less
+the median time per token of those calls); the longest wait between tokens
+that overlaps no swap (`noise_gap_ms_max`: the machine's own hiccups); the
+time the backend's
 gate was closed (a probe enters the admission gate every `PROBE_S` during a
 swap; its longest wait); failed calls; tokens/s over the whole mode; calls
 that span two versions; and, from the stand-in's `/stub/state`, tokens
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 POLICIES: dict[str, SwapPolicy] = {"drain": DRAIN, "keep": KEEP}
 PROBE_S = 0.002  # how often the gate probe tries the admission gate during a swap
+LONG_GAP_S = 0.05  # a call records each wait between two tokens longer than this
 KEEP_STALL_MARGIN_MS = 50.0  # target: keep's stall per swap <= reload + this
 THROUGHPUT_TARGET = 1.5  # target: keep tokens/s >= this x drain's (stand-in setup)
 # The `/stub/state` counter of tokens emitted while the server was paused.
@@ -88,7 +91,7 @@ class Call:
     first: float | None  # first token's arrival (None: none arrived)
     last: float | None  # last token's arrival
     tokens: int  # tokens received before the mode's end
-    max_gap: float  # longest wait between two consecutive tokens
+    gaps: tuple[tuple[float, float], ...]  # (from, to) of each wait between tokens > LONG_GAP_S
     versions: int  # versions that sampled it (1 unless it spans a keep swap)
     failed: bool = False
 
@@ -119,31 +122,51 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _baselines(run: ModeRun) -> tuple[float, float]:
+    """Median time to first token and median time per token of the calls no swap touched."""
+
+    def touched(c: Call) -> bool:
+        last = c.last or c.start
+        return any(s.start <= c.start <= s.end or c.start < s.start < last for s in run.swaps)
+
+    calm = [c for c in run.calls if c.first is not None and c.last is not None and not touched(c)]
+    first = _median([c.first - c.start for c in calm if c.first is not None])
+    per_token = _median(
+        [(c.last - c.first) / (c.tokens - 1) for c in calm if c.first and c.last and c.tokens > 1]
+    )
+    return first, per_token
+
+
 def swap_stalls(run: ModeRun) -> list[tuple[float, float]]:
-    """Per swap, in seconds: the longest added admission wait of a call started during it
-    and the longest added gap between two tokens of a stream in flight when it began
-    ("added": less the median of calls that no swap touched)."""
-    # (start, first token, last token, tokens, longest gap) of each call that got a token
-    answered = [
-        (c.start, c.first, c.last, c.tokens, c.max_gap)
-        for c in run.calls
-        if c.first is not None and c.last is not None
-    ]
-
-    def touched(start: float, last: float) -> bool:
-        return any(s.start <= start <= s.end or start < s.start < last for s in run.swaps)
-
-    calm = [a for a in answered if not touched(a[0], a[2])]
-    base_wait = _median([first - start for start, first, *_ in calm])
-    base_gap = _median([(last - first) / (n - 1) for _, first, last, n, _ in calm if n > 1])
+    """Per swap, in seconds: the longest added wait for the first token of a call started
+    during it, and the longest added wait between two tokens of a stream across it (a wait
+    that overlaps the swap); "added": less the median of calls no swap touched."""
+    base_first, base_token = _baselines(run)
     stalls = []
     for s in run.swaps:
-        waits = [first - start for start, first, *_ in answered if s.start <= start <= s.end]
-        gaps = [g for start, _, last, n, g in answered if start < s.start < last and n > 1]
-        stalls.append(
-            (max([0.0, *(w - base_wait for w in waits)]), max([0.0, *(g - base_gap for g in gaps)]))
-        )
+        waits = [
+            c.first - c.start - base_first
+            for c in run.calls
+            if c.first is not None and s.start <= c.start <= s.end
+        ]
+        gaps = [
+            b - a - base_token for c in run.calls for a, b in c.gaps if a < s.end and b > s.start
+        ]
+        stalls.append((max([0.0, *waits]), max([0.0, *gaps])))
     return stalls
+
+
+def noise_gap(run: ModeRun) -> float:
+    """The longest wait between two tokens that overlaps no swap (the machine's own hiccups)."""
+    return max(
+        [0.0]
+        + [
+            b - a
+            for c in run.calls
+            for a, b in c.gaps
+            if not any(a < s.end and b > s.start for s in run.swaps)
+        ]
+    )
 
 
 def mode_figures(run: ModeRun) -> dict[str, Any]:
@@ -158,6 +181,7 @@ def mode_figures(run: ModeRun) -> dict[str, Any]:
         "stall_ms_max": _ms(max(per_swap)),
         "admit_wait_ms_max": _ms(max([0.0, *(w for w, _ in stalls)])),
         "token_gap_ms_max": _ms(max([0.0, *(g for _, g in stalls)])),
+        "noise_gap_ms_max": _ms(noise_gap(run)),
         "gate_closed_ms": _ms(statistics.median(gate)),
         "gate_closed_ms_max": _ms(max(gate)),
         "swap_s": round(statistics.median([s.end - s.start for s in run.swaps] or [0.0]), 3),
@@ -241,7 +265,8 @@ async def _agent(
         prompt = [1 + n % 97, 2 + i % 89, 3, 4 + n]
         params = SamplingParams(max_tokens=setup.tokens, temperature=1.0, seed=n * 100_003 + i)
         first: float | None = None
-        last, max_gap, tokens, versions, failed = start, 0.0, 0, 1, False
+        last, tokens, versions, failed = start, 0, 1, False
+        gaps: list[tuple[float, float]] = []
         try:
             stream = backend.start_stream(GenerateRequest(prompt, params))
             async for _ in stream.tokens():
@@ -251,15 +276,15 @@ async def _agent(
                     break
                 if first is None:
                     first = now
-                else:
-                    max_gap = max(max_gap, now - last)
+                elif now - last > LONG_GAP_S:
+                    gaps.append((last, now))
                 last, tokens = now, tokens + 1
             versions = len((await stream.result()).spans)
         except BackendError as exc:
             logger.warning("agent %d: call failed: %s", n, exc)
             failed = True
         run.calls.append(
-            Call(start, first, last if tokens else None, tokens, max_gap, versions, failed)
+            Call(start, first, last if tokens else None, tokens, tuple(gaps), versions, failed)
         )
         if setup.think_ms:
             await asyncio.sleep(think.uniform(0, setup.think_ms / 1000))

@@ -100,8 +100,8 @@ def test_swap_has_ratio() -> None:
 def test_swap_stall_has_per_mode_stall_failed_calls_and_tokens_per_s() -> None:
     def run(first: float, tokens: int) -> swap_stall.ModeRun:
         calls = [
-            swap_stall.Call(0.0, 0.1, 4.0, tokens, 0.02, 1),
-            swap_stall.Call(10.1, first, 14.0, tokens, 0.02, 1),
+            swap_stall.Call(0.0, 0.1, 4.0, tokens, (), 1),
+            swap_stall.Call(10.1, first, 14.0, tokens, (), 1),
         ]
         return swap_stall.ModeRun(10.0, calls, [swap_stall.Swap(10.0, 10.5, 0.4)], 0)
 

@@ -14,25 +14,37 @@ import json
 import pytest
 
 from rlgate import cli
-from rlgate.bench.swap_stall import Call, ModeRun, StallSetup, Swap, mode_figures, summary
+from rlgate.bench.swap_stall import (
+    LONG_GAP_S,
+    Call,
+    ModeRun,
+    StallSetup,
+    Swap,
+    mode_figures,
+    summary,
+)
 
 
-def call(start: float, first: float, tokens: int, gap: float = 0.02, versions: int = 1) -> Call:
-    """A call whose tokens came every 20 ms, but for one gap of `gap`."""
-    return Call(start, first, first + 0.02 * (tokens - 2) + gap, tokens, gap, versions)
+def call(
+    start: float, first: float, tokens: int, gap: float = 0.02, at: float = 0.0, versions: int = 1
+) -> Call:
+    """A call whose tokens came every 20 ms, but for one wait of `gap` from `at` on."""
+    long_gaps = ((at, at + gap),) if gap > LONG_GAP_S else ()
+    return Call(start, first, first + 0.02 * (tokens - 2) + gap, tokens, long_gaps, versions)
 
 
 def one_swap_run(gap: float, wait: float, tokens: int, failed: int = 0) -> ModeRun:
-    """A 20 s mode with one swap over [10, 10.5]: two calls no swap touched (0.05 s to the
-    first token, a token every 20 ms), one started during the swap (`wait` more to its first
-    token), one in flight across it (one gap of `gap`)."""
+    """A 20 s mode with one swap over [10, 10.5]: three calls no swap touched (0.05 s to the
+    first token, a token every 20 ms, one of them with a 1 s hiccup), one started during the
+    swap (`wait` more to its first token), one in flight across it (a wait of `gap`)."""
     calls = [
         call(0.0, 0.05, tokens),
         call(5.0, 5.05, tokens),
+        call(1.0, 1.05, tokens, gap=1.0, at=1.5),
         call(10.1, 10.15 + wait, tokens),
-        call(8.0, 8.05, tokens, gap=gap, versions=2),
+        call(8.0, 8.05, tokens, gap=gap, at=10.1, versions=2),
     ]
-    calls += [Call(15.0, None, None, 0, 0.0, 1, failed=True) for _ in range(failed)]
+    calls += [Call(15.0, None, None, 0, (), 1, failed=True) for _ in range(failed)]
     return ModeRun(seconds=20.0, calls=calls, swaps=[Swap(10.0, 10.5, 0.4)], tokens_in_pause=0)
 
 
@@ -42,8 +54,9 @@ def test_stall_per_swap_is_the_larger_of_admission_wait_and_token_gap() -> None:
     assert f["token_gap_ms_max"] == 360.0  # beyond the usual 20 ms
     assert f["stall_ms"] == f["stall_ms_max"] == 360.0
     assert f["gate_closed_ms"] == 400.0 and f["swap_s"] == 0.5
-    assert f["tokens_per_s"] == 20.0  # 400 tokens in 20 s
-    assert f["spanning_calls"] == 1 and f["failed"] == 0 and f["calls"] == 4
+    assert f["noise_gap_ms_max"] == 1000.0  # the hiccup is no swap's stall
+    assert f["tokens_per_s"] == 25.0  # 500 tokens in 20 s
+    assert f["spanning_calls"] == 1 and f["failed"] == 0 and f["calls"] == 5
 
     waited_longer = mode_figures(one_swap_run(gap=0.1, wait=2.0, tokens=100))
     assert waited_longer["stall_ms"] == 2000.0
