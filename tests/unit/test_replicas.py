@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from inference import registry
 from inference.backend import BackendError, BackendOverloaded
-from inference.replicas import ReplicaConfig, ReplicaSet
+from inference.replicas import ReplicaConfig, ReplicaSet, shared_policy
 from inference.types import DRAIN, KEEP, GenerateRequest, GenerateResult, SamplingParams, SwapPolicy
 
 PROMPT = [1, 2, 3]
@@ -465,3 +466,14 @@ def test_config_rejects_bad_values() -> None:
         ReplicaConfig(max_attempts=0)
     with pytest.raises(ValueError):
         ReplicaSet([])
+
+
+def test_a_shared_keep_swap_drains_servers_that_label_no_tokens() -> None:
+    """Other clients' requests can only be labelled by the server: SGLang's are drained."""
+    vllm = registry.get("vllm").connect_to("http://127.0.0.1:1")
+    sglang = registry.get("sglang").connect_to("http://127.0.0.1:1")
+    keep_fresh = SwapPolicy(clear_kv=False)
+    assert shared_policy(vllm, KEEP) == KEEP and shared_policy(vllm, keep_fresh) == keep_fresh
+    assert shared_policy(sglang, KEEP) == DRAIN
+    assert shared_policy(sglang, keep_fresh) == SwapPolicy("drain", clear_kv=False)
+    assert shared_policy(vllm, DRAIN) == shared_policy(sglang, DRAIN) == DRAIN
