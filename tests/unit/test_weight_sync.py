@@ -202,6 +202,7 @@ async def test_vllm_receives_between_pause_and_resume(server: WeightServer) -> N
         "/pause",
         "rlgate_worker_rank",
         "rlgate_receive_weights",
+        "/weight_info",  # keep mode (the default): read the label, then relabel, still paused
         "/update_weight_version",
         "/resume",
     ]
@@ -223,7 +224,12 @@ async def test_a_version_the_trainer_no_longer_holds(server: WeightServer, tmp_p
     fake.calls.clear()
     await be.load_weights(gone, 1)  # saved meanwhile: loaded from disk instead
     assert be.version == 1
-    assert fake.calls[-3:] == ["reload_weights", "/update_weight_version", "/resume"]
+    assert fake.calls[-4:] == [
+        "reload_weights",
+        "/weight_info",
+        "/update_weight_version",
+        "/resume",
+    ]
     await be.close()
 
 
