@@ -282,9 +282,16 @@ class VLLMBackend(HttpBackend):
     _adapter_paths: set[tuple[str, str]] | None = None
     _loading: dict[str, int] | None = None  # adapter -> the version `load_adapter` is loading
     _label_lock: asyncio.Lock | None = None  # one label rewrite at a time in this client
+    _labelled = False  # the first sampling call has checked the server's label
 
     async def server_info(self) -> tuple[str, int]:
-        """(served model name, max_model_len) from `/v1/models`; cached."""
+        """(served model name, max_model_len) from `/v1/models`; cached. The first call also
+        labels the server's weights if its label lacks this client's lanes (a server no
+        swap of ours has labelled yet), so that the first keep-mode swap has a label on
+        each side."""
+        if not self._labelled:
+            self._labelled = True
+            await self._label(only_missing=True)
         if self._model is None or self._max_model_len is None:
             with transport_errors(f"vLLM at {self.url}"):
                 resp = await self._client.get("/v1/models", timeout=self.config.control_timeout_s)
@@ -358,21 +365,24 @@ class VLLMBackend(HttpBackend):
         finally:
             await self._control("/resume")
 
-    async def _label(self) -> None:
+    async def _label(self, only_missing: bool = False) -> None:
         """Write this client's lanes over the server's label: the base `version`, and each
-        adapter's (the version being loaded, for one `load_adapter` is loading)."""
+        adapter's (the version being loaded, for one `load_adapter` is loading).
+        `only_missing`: leave a label that has every lane of this client as it is."""
         lock = self._label_lock = self._label_lock or asyncio.Lock()
         async with lock:
-            await self._write_label({**self.adapters, **(self._loading or {})})
-
-    async def _write_label(self, adapters: dict[str, int]) -> None:
-        with transport_errors(f"vLLM at {self.url}"):
-            resp = await self._client.get("/weight_info", timeout=self.config.control_timeout_s)
-        current = None
-        if resp.status_code == 200:
-            current = ServerLabel.decode(json_body(resp, "GET /weight_info").get("weight_version"))
-        label = (current or ServerLabel()).merged(self.version, adapters)
-        await self._control("/update_weight_version", json={"new_version": label.encode()})
+            adapters = {**self.adapters, **(self._loading or {})}
+            with transport_errors(f"vLLM at {self.url}"):
+                resp = await self._client.get("/weight_info", timeout=self.config.control_timeout_s)
+            current = None
+            if resp.status_code == 200:
+                text = json_body(resp, "GET /weight_info").get("weight_version")
+                current = ServerLabel.decode(text)
+            lanes = [None, *adapters]
+            if only_missing and current and all(current.lane(x) is not None for x in lanes):
+                return
+            label = (current or ServerLabel()).merged(self.version, adapters)
+            await self._control("/update_weight_version", json={"new_version": label.encode()})
 
     async def _receive(self, source: CollectiveSource, version: int) -> None:
         if self._workers is None:

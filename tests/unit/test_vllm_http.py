@@ -145,6 +145,7 @@ async def test_generate_and_stream_return_ids_logprobs_and_version() -> None:
     fake = FakeVLLM()
     be = _backend(fake)
     r = await be.generate(REQ)
+    assert fake.labels == [ServerLabel(0).encode()]  # labelled once, before the first call
     assert (r.output_token_ids, r.output_logprobs, r.finish_reason) == (
         [5, 6, 7],
         [-0.5] * 3,
@@ -196,7 +197,9 @@ async def test_swap_drains_in_flight_then_reloads_and_new_requests_wait(tmp_path
     (tmp_path / "model.safetensors").write_bytes(b"x")
     fake = FakeVLLM()
     be = _backend(fake)
-    await be.server_info()
+    await be.server_info()  # labels the unlabelled server with this client's v0
+    assert ServerLabel.decode(fake.label) == ServerLabel(0, {})
+    fake.calls.clear()
     fake.release.clear()  # hold the next completion in flight
     first = asyncio.create_task(be.generate(REQ))
     while "/inference/v1/generate" not in fake.calls:
