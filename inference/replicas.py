@@ -111,12 +111,12 @@ class Replica(Generic[B]):
     @contextlib.contextmanager
     def pausing(self, policy: SwapPolicy) -> Iterator[None]:
         """Counted as paused while a load with `policy` runs, if it is a keep-mode one."""
-        keep = policy.mode == "keep"
-        self.pauses += keep
+        n = int(policy.mode == "keep")
+        self.pauses += n
         try:
             yield
         finally:
-            self.pauses -= keep
+            self.pauses -= n
 
     def adapter_version(self, name: str) -> int | None:
         backend = self.backend
