@@ -6,15 +6,18 @@ environment if it is missing (about 100 s and 3.5 GB, the code of
 (float32, eager) and reuses it for every check:
 
 - stored token ids and logprobs equal a transformers float32 reference;
-- a train step writes version 1, which is hot-swapped into vLLM while
-  clients keep calling: no call fails, and every stored completion's
-  logprobs match the weights of the version it records (so the label is right);
+- a train step writes version 1, which is hot-swapped into vLLM (keep mode,
+  the default) while clients keep calling, some with long streams: no call
+  fails, a stream spans the swap, and every stored completion's logprobs
+  match, token by token, the weights of the version its stored
+  `version_starts` give that token (so the labels are right);
 - after the swap, greedy output is the new weights' greedy output;
 - the admin replica API shows the server's version, health and load.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -92,6 +95,8 @@ def _stored(stack: Stack, where: str = "1=1", params: tuple = ()) -> list[dict]:
         for name in ("prompt_token_ids", "output_token_ids"):
             d[name] = np.frombuffer(d[name], dtype="<i4").tolist()
         d["output_logprobs"] = np.frombuffer(d["output_logprobs"], dtype="<f4").tolist()
+        starts = d.get("version_starts")
+        d["version_starts"] = json.loads(starts) if isinstance(starts, str) else starts
         out.append(d)
     return out
 
@@ -137,6 +142,21 @@ def _check_against(ref: Reference, ckpt: Path, row: dict) -> float:
     return max(abs(a - b) for a, b in zip(row["output_logprobs"], expected, strict=True))
 
 
+def _check_spans(ref: Reference, ckpts: dict[int, Path], row: dict) -> float:
+    """The largest logprob gap of a row whose tokens may span versions: each token
+    against the weights of the version its `version_starts` give it."""
+    spans = row["version_starts"] or [[0, row["policy_version"]]]
+    ends = [start for start, _ in spans[1:]] + [len(row["output_token_ids"])]
+    worst = 0.0
+    for (start, version), end in zip(spans, ends, strict=True):
+        expected = ref.logprobs(
+            ckpts[version], row["prompt_token_ids"], row["output_token_ids"], row["temperature"]
+        )
+        got = row["output_logprobs"]
+        worst = max(worst, *(abs(got[i] - expected[i]) for i in range(start, end)))
+    return worst
+
+
 def _checkpoint(stack: Stack, run_id: str, version: int) -> Path:
     db = stack.settings.data_dir / "rlgate.db"
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
@@ -160,7 +180,11 @@ def _wait_served(stack: Stack, run_id: str, version: int, timeout_s: float = 300
 
 
 class Traffic:
-    """Clients calling without pause (plain and streamed) until stopped; records every outcome."""
+    """Clients calling without pause (plain and streamed) until stopped; records every outcome.
+
+    One more thread streams long answers back to back, so one is generating when a
+    keep-mode swap pauses the server.
+    """
 
     def __init__(self, base_url: str, api_key: str, n_threads: int = 2) -> None:
         self.ids: list[str] = []
@@ -170,6 +194,26 @@ class Traffic:
             threading.Thread(target=self._loop, args=(base_url, api_key, i), daemon=True)
             for i in range(n_threads)
         ]
+        self._threads.append(
+            threading.Thread(target=self._long, args=(base_url, api_key), daemon=True)
+        )
+
+    def _long(self, base_url: str, api_key: str) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            messages = [{"role": "user", "content": f"a long story {n}"}]
+            try:
+                chunks = list(
+                    client.chat.completions.create(
+                        model="it", messages=messages, max_tokens=200, stream=True
+                    )
+                )
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                self.ids.append(chunks[0].id)
+            except Exception as exc:  # every failure is a test failure, reported below
+                self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def _loop(self, base_url: str, api_key: str, i: int) -> None:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
@@ -288,16 +332,19 @@ def test_vllm_token_exact_and_hot_swap_under_traffic(
     # vLLM's logprobs are the trainer's own (processed_logprobs): ratio 1 on the first step.
     assert steps[0]["metrics"]["ratio_max"] == pytest.approx(1.0, abs=1e-3)
 
-    # 3. Every completion sampled around the swap matches the weights of the version it records.
+    # 3. Every token sampled around the swap matches the weights of the version stored for
+    # it: a completion that spanned the keep-mode swap records where v1 began.
     new_ckpt = _checkpoint(stack, run["run_id"], 1)
     placeholders = ",".join("?" * len(traffic.ids))
     around = _stored(stack, f"id IN ({placeholders})", tuple(traffic.ids))
     assert len(around) == len(set(traffic.ids))  # every answered call is stored, once
     for row in around:
-        ckpt = new_ckpt if row["policy_version"] == 1 else base_ckpt
         assert row["policy_version"] in (0, 1)
-        assert _check_against(reference, ckpt, row) < TOL, row["policy_version"]
+        gap = _check_spans(reference, {0: base_ckpt, 1: new_ckpt}, row)
+        assert gap < TOL, (row["policy_version"], row["version_starts"])
     assert any(r["policy_version"] == 1 for r in around)
+    spanned = [r["version_starts"] for r in around if r["version_starts"]]
+    assert spanned and all(s[0] == [0, 0] and s[1][1] == 1 for s in spanned), spanned
 
     # 4. After the swap, greedy output is the new weights' greedy output.
     after = client.chat.completions.create(
