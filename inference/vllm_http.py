@@ -35,9 +35,12 @@ computed). The reload is `/collective_rpc` `reload_weights` (in place).
 Weights labels. Just before `/resume`, still paused, the backend labels the
 server's weights (`/update_weight_version`) with the version of every lane
 it serves: `{"base": 3, "lora": {"run-a": 5}}` (compact JSON, adapters
-sorted; `ServerLabel`). vLLM stamps each token with the label current when
-its engine step ran, so a token sampled before the pause keeps the old label
-even when it reaches us after the swap. A request maps its spans to the
+sorted; `ServerLabel`); also after each adapter load, before the adapter's
+gate opens, and before the first call if the server's label lacks a lane
+of this client (a server that no swap of ours has labelled). vLLM stamps
+each token with the label current when its engine step ran, so a token
+sampled before the pause keeps the old label even when it reaches us after
+the swap. A request maps its spans to the
 version of its own lane (the base weights, or its adapter: `lane_starts`),
 so one label serves every client of the server: other gateway processes
 (the label is read, `GET /weight_info`, and only this client's lanes are
@@ -47,7 +50,8 @@ lane, or names a version newer than the lane's (a label left by another
 run) gives no starts: the result then falls back to the marks
 `HttpBackend` takes at the swap. Two clients rewriting the label at the
 same moment (swaps of different adapters on one server from two processes)
-can lose one's lane; its requests then fall back the same way.
+can lose one's lane; its requests then fall back the same way (a
+non-streaming call that spans a swap then fails with `BackendError`).
 
 Weights over a collective (`weight_sync: collective`, docs/weight-sync.md):
 the same pause and resume around `_receive`, which asks the trainer to open
