@@ -120,8 +120,10 @@ def client_loop(
                 if chunk.choices and chunk.choices[0].delta.content:
                     text.append(chunk.choices[0].delta.content)
         except openai.APIError as exc:  # the documented in-stream error event
-            with tally.lock:  # (recorded, not asserted here: a thread's assert fails nothing)
-                if text:
+            # The gateway sends nothing before the first token, so a chunk came: the replica
+            # had produced tokens. (Recorded, not asserted: a thread's assert fails nothing.)
+            with tally.lock:
+                if cid is not None:
                     tally.broken_streams += 1
                 else:  # cut before its first token: the gateway should have failed over
                     tally.failed_before_token.append(f"stream cut before a token: {exc}")
