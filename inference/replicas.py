@@ -625,7 +625,7 @@ def shared_policy(server: ServerClient, policy: SwapPolicy) -> SwapPolicy:
     client learns of the new version after the server resumed), so a server without
     labels (`HttpBackend.labels_tokens` False, e.g. SGLang) is drained instead.
     """
-    if policy.mode == "keep" and not getattr(server, "labels_tokens", False):
+    if policy.mode == "keep" and not server.labels_tokens:
         return replace(policy, mode="drain")
     return policy
 

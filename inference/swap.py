@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from inference.backend import Backend
 from inference.types import KEEP, SwapPolicy
@@ -68,6 +68,10 @@ class Quiescible(SwapTarget, Protocol):
 
 class SharedServer(Quiescible, Protocol):
     """A client of one server that other clients also hold."""
+
+    # True when the server labels each token with the weights version that sampled it,
+    # so the requests of clients that did not reload are versioned exactly in a keep swap.
+    labels_tokens: ClassVar[bool]
 
     def set_version(self, version: int) -> None:
         """Label later requests `version` without reloading (another client loaded it)."""
