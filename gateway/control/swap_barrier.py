@@ -82,7 +82,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sqlalchemy import text
@@ -191,9 +191,7 @@ class SwapBarrier:
         `source`: the weights of `version`, loaded only if no other process serves the run.
         """
         await self.leave(run_id)
-        conn = await self._engine.connect()
-        lock = RunLock(conn, run_id)
-        try:
+        async with self._holding(run_id) as lock:
             if await lock.try_exclusive():  # no other process serves it: the servers are ours
                 try:
                     if version > 0 and source is not None:
@@ -204,12 +202,21 @@ class SwapBarrier:
             await lock.shared()  # after any swap under way, even one since the lines above
             target = (source, version) if source is not None else None
             replicas.set_versions(await lock.recorded(), target)
+        return BarrierSwap(self, run_id, replicas)
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, run_id: str) -> AsyncIterator[RunLock]:
+        """A lock of the run on a connection of its own, kept as the run's once the block
+        succeeds; a block that raises closes the connection, and the lock goes with it."""
+        conn = await self._engine.connect()
+        lock = RunLock(conn, run_id)
+        try:
+            yield lock
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close()
             raise
         self._locks[run_id] = lock
-        return BarrierSwap(self, run_id, replicas)
 
     async def swap(
         self,
@@ -301,17 +308,12 @@ class SwapBarrier:
             except Exception as exc:
                 logger.warning("run %s: its swap lock went with its connection: %s", run_id, exc)
                 await self.leave(run_id)
-        conn = await self._engine.connect()
-        lock = RunLock(conn, run_id)
-        try:
-            async with replicas.quiesced("hold the swap lock again", policy):
-                await lock.shared()
-                replicas.set_versions(await lock.recorded(), None)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.close()
-            raise
-        self._locks[run_id] = lock
+        async with (
+            self._holding(run_id) as lock,
+            replicas.quiesced("hold the swap lock again", policy),
+        ):
+            await lock.shared()
+            replicas.set_versions(await lock.recorded(), None)
         logger.info("run %s: swap lock held again", run_id)
 
     async def leave(self, run_id: str) -> None:
