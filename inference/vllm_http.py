@@ -36,8 +36,9 @@ Weights labels. Just before `/resume`, still paused, the backend labels the
 server's weights (`/update_weight_version`) with the version of every lane
 it serves: `{"base": 3, "lora": {"run-a": 5}}` (compact JSON, adapters
 sorted; `ServerLabel`); also after each adapter load, before the adapter's
-gate opens, and before the first call if the server's label lacks a lane
-of this client (a server that no swap of ours has labelled). vLLM stamps
+gate opens, and before the first call unless the server's label already
+gives each lane of this client its version (a server that no swap of ours
+has labelled, or one that another run labelled). vLLM stamps
 each token with the label current when its engine step ran, so a token
 sampled before the pause keeps the old label even when it reaches us after
 the swap. A request maps its spans to the
@@ -45,9 +46,11 @@ version of its own lane (the base weights, or its adapter: `lane_starts`),
 so one label serves every client of the server: other gateway processes
 (the label is read, `GET /weight_info`, and only this client's lanes are
 rewritten) and other adapters, whose requests see the label change while
-their own version stays (one span). A label that is not rlgate's, lacks the
-lane, or names a version newer than the lane's (a label left by another
-run) gives no starts: the result then falls back to the marks
+their own version stays (one span). A label newer than this client's lane
+is another process's reload (the swap barrier: this client adopts the
+version only after the server resumed) and counts. A label that is not
+rlgate's, lacks the lane, or goes back gives no starts: the result then
+falls back to the marks
 `HttpBackend` takes at the swap. Two clients rewriting the label at the
 same moment (swaps of different adapters on one server from two processes)
 can lose one's lane; its requests then fall back the same way (a
@@ -237,16 +240,17 @@ class ServerLabel:
         return ServerLabel(base, {**self.lora, **adapters})
 
 
-def lane_starts(
-    spans: object, adapter: str | None, newest: int, n_tokens: int
-) -> VersionStarts | None:
+def lane_starts(spans: object, adapter: str | None, n_tokens: int) -> VersionStarts | None:
     """Where each version of the request's lane began, from vLLM's `weight_versions`
     (`[{"version": label, "start", "end"}, ...]`) for an output of `n_tokens` tokens.
 
     None (the caller falls back to its own marks) when there are no spans, when a span's
     label gives no version for the lane (not a `ServerLabel`, or it lacks the lane), or
-    when a version is newer than `newest` (the lane's version now: a label that another
-    run left on the server) or older than the one before it.
+    when a version is older than the one before it. A version newer than this client's
+    lane is kept: another gateway process reloaded the server (the swap barrier), and
+    this client adopts that version only after the server resumed. A label left by
+    another run is not taken for ours: each client rewrites its lanes before its first
+    call (`VLLMBackend.server_info`).
     """
     if not isinstance(spans, list) or not spans or n_tokens == 0:
         return None
@@ -257,10 +261,10 @@ def lane_starts(
             version = None if label is None else label.lane(adapter)
             if version is None:
                 return None
-            if version > newest or (starts and version < starts[-1][1]):
+            if starts and version < starts[-1][1]:
                 logger.warning(
-                    "vLLM weights label %r does not fit lane %r at v%d; using marks",
-                    span.get("version"), adapter, newest,
+                    "vLLM weights label %r goes back on lane %r; using marks",
+                    span.get("version"), adapter,
                 )  # fmt: skip
                 return None
             if not starts or version != starts[-1][1]:
@@ -290,12 +294,12 @@ class VLLMBackend(HttpBackend):
 
     async def server_info(self) -> tuple[str, int]:
         """(served model name, max_model_len) from `/v1/models`; cached. The first call also
-        labels the server's weights if its label lacks this client's lanes (a server no
-        swap of ours has labelled yet), so that the first keep-mode swap has a label on
-        each side."""
+        labels the server's weights unless its label already gives each of this client's
+        lanes the version the client serves (a server no swap of ours has labelled yet, or
+        one another run labelled), so that every token's label is this run's."""
         if not self._labelled:
             self._labelled = True
-            await self._label(only_missing=True)
+            await self._label(unless_current=True)
         if self._model is None or self._max_model_len is None:
             with transport_errors(f"vLLM at {self.url}"):
                 resp = await self._client.get("/v1/models", timeout=self.config.control_timeout_s)
@@ -340,8 +344,7 @@ class VLLMBackend(HttpBackend):
         self, request: GenerateRequest, choice: dict[str, Any], n_tokens: int
     ) -> VersionStarts | None:
         """The request's version starts from the choice's weights labels (`lane_starts`)."""
-        newest = self.version_for(request)
-        return lane_starts(choice.get("weight_versions"), request.adapter, newest, n_tokens)
+        return lane_starts(choice.get("weight_versions"), request.adapter, n_tokens)
 
     async def _check_checkpoint(self, checkpoint_dir: Path, version: int) -> Path:
         # vLLM's engine dies on a reload from a missing or empty directory: check first.
@@ -369,10 +372,10 @@ class VLLMBackend(HttpBackend):
         finally:
             await self._control("/resume")
 
-    async def _label(self, only_missing: bool = False) -> None:
+    async def _label(self, unless_current: bool = False) -> None:
         """Write this client's lanes over the server's label: the base `version`, and each
         adapter's (the version being loaded, for one `load_adapter` is loading).
-        `only_missing`: leave a label that has every lane of this client as it is."""
+        `unless_current`: leave a label that gives every lane of this client its version."""
         lock = self._label_lock = self._label_lock or asyncio.Lock()
         async with lock:
             adapters = {**self.adapters, **(self._loading or {})}
@@ -382,8 +385,12 @@ class VLLMBackend(HttpBackend):
             if resp.status_code == 200:
                 text = json_body(resp, "GET /weight_info").get("weight_version")
                 current = ServerLabel.decode(text)
-            lanes = [None, *adapters]
-            if only_missing and current and all(current.lane(x) is not None for x in lanes):
+            if (
+                unless_current
+                and current
+                and current.lane(None) == self.version
+                and all(current.lane(name) == v for name, v in adapters.items())
+            ):
                 return
             label = (current or ServerLabel()).merged(self.version, adapters)
             await self._control("/update_weight_version", json={"new_version": label.encode()})

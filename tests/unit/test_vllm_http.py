@@ -361,10 +361,33 @@ def test_label_round_trip_and_lane_starts() -> None:
         {"version": ServerLabel(4, {"a": 1}).encode(), "start": 0, "end": 5},
         {"version": ServerLabel(5, {"a": 1}).encode(), "start": 5, "end": 9},
     ]
-    assert lane_starts(spans, None, newest=5, n_tokens=9) == ((0, 4), (5, 5))
-    assert lane_starts(spans, "a", newest=1, n_tokens=9) == ((0, 1),)
-    assert lane_starts(spans, "zz", newest=1, n_tokens=9) is None  # a lane it lacks
-    assert lane_starts(spans, None, newest=4, n_tokens=9) is None  # a label ahead of us
-    assert lane_starts([{"version": "default", "start": 0, "end": 9}], None, 0, 9) is None
-    assert lane_starts(spans[::-1], None, newest=5, n_tokens=9) is None  # going backwards
-    assert lane_starts(None, None, 0, 3) is None and lane_starts([], None, 0, 3) is None
+    assert lane_starts(spans, None, n_tokens=9) == ((0, 4), (5, 5))
+    assert lane_starts(spans, "a", n_tokens=9) == ((0, 1),)
+    assert lane_starts(spans, "zz", n_tokens=9) is None  # a lane it lacks
+    assert lane_starts([{"version": "default", "start": 0, "end": 9}], None, 9) is None
+    assert lane_starts(spans[::-1], None, n_tokens=9) is None  # going backwards
+    assert lane_starts(None, None, 3) is None and lane_starts([], None, 3) is None
+
+
+async def test_a_label_another_run_left_is_rewritten_before_the_first_call() -> None:
+    """A server whose label gives this client's lane another version (a run it served
+    before) is relabelled with the client's version, so no token of ours carries it."""
+    fake = FakeVLLM()
+    fake.label = ServerLabel(5, {"other": 2}).encode()
+    be = _backend(fake)
+    await be.server_info()
+    assert ServerLabel.decode(fake.label) == ServerLabel(0, {"other": 2})
+    fake.labels.clear()
+    await be.server_info()  # once per client
+    assert fake.labels == []
+    await be.close()
+
+
+def test_a_label_ahead_of_this_client_is_another_process_reload() -> None:
+    """Under the swap barrier another process reloads the server and this client adopts the
+    version after the resume: its request's later tokens carry the newer label, and count."""
+    spans = [
+        {"version": ServerLabel(0).encode(), "start": 0, "end": 3},
+        {"version": ServerLabel(1).encode(), "start": 3, "end": 8},
+    ]
+    assert lane_starts(spans, None, n_tokens=8) == ((0, 0), (3, 1))
