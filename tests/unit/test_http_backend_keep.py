@@ -26,7 +26,7 @@ from inference.backend import BackendError
 from inference.http_backend import Completion, HttpBackend, HttpStream, StreamEvent, Tokens
 from inference.http_common import HttpBackendConfig, version_starts_of
 from inference.sglang_http import SGLangBackend
-from inference.stub_server import StubConfig, StubState, adapter_salt, launch
+from inference.stub_server import StubConfig, StubState, adapter_salt
 from inference.types import (
     DRAIN,
     KEEP,
@@ -35,7 +35,7 @@ from inference.types import (
     SamplingParams,
     SwapPolicy,
 )
-from rlgate.stack import free_port, stop, wait_healthy
+from tests.unit.test_stub_keep import serve as stub_server
 
 PROMPT = [9, 8, 7, 6]
 N = 50  # tokens per in-flight call: they outlast the swap by far
@@ -53,15 +53,7 @@ def req(n: int = N, adapter: str | None = None) -> GenerateRequest:
 
 
 def serve(tmp_path: Path, flavor: str) -> Iterator[str]:
-    port = free_port()
-    extra = ("--token-latency-ms=40",)
-    proc = launch(flavor, port, output_tokens=N, extra=extra, log=tmp_path / "stub.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout_s=60)
-        yield url
-    finally:
-        stop(proc)
+    return stub_server(tmp_path, flavor, "--token-latency-ms=40", output_tokens=N)
 
 
 @pytest.fixture

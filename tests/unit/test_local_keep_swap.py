@@ -27,6 +27,7 @@ from inference.types import (
     SamplingParams,
     SwapPolicy,
 )
+from tests.unit.test_lora_batch import make_adapter
 
 AT = 20  # the swap lands after token AT: the new version begins at AT + 1
 N = 60  # tokens per generation
@@ -214,29 +215,14 @@ async def test_a_closed_backend_refuses_keep_swaps(tiny_model_dir: Path, perturb
 # --- LoRA adapters --------------------------------------------------------------------
 
 
-def _make_adapter(model_dir: Path, out: Path, seed: int, targets: list[str]) -> Path:
-    """A peft adapter with random A and B, large enough to move the greedy answer."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    model = get_peft_model(_model(model_dir), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return {
-        "a": _make_adapter(tiny_model_dir, root / "a", 1, every),
-        "a2": _make_adapter(tiny_model_dir, root / "a2", 3, every),
-        "b": _make_adapter(tiny_model_dir, root / "b", 2, ["q_proj", "v_proj", "down_proj"]),
+        "a": make_adapter(tiny_model_dir, root / "a", 1, 4, every),
+        "a2": make_adapter(tiny_model_dir, root / "a2", 3, 4, every),
+        "b": make_adapter(tiny_model_dir, root / "b", 2, 4, ["q_proj", "v_proj", "down_proj"]),
     }
 
 

@@ -27,7 +27,7 @@ def _base(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _make_adapter(model_dir: Path, out: Path, seed: int, rank: int, targets: list[str]) -> Path:
+def make_adapter(model_dir: Path, out: Path, seed: int, rank: int, targets: list[str]) -> Path:
     """A peft adapter with random A and B (a fresh one has B = 0 and changes nothing)."""
     from peft import LoraConfig, get_peft_model
 
@@ -47,9 +47,9 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("adapters")
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return {
-        "a": _make_adapter(tiny_model_dir, root / "a", 1, 4, every),
-        "b": _make_adapter(tiny_model_dir, root / "b", 2, 8, ["q_proj", "v_proj", "down_proj"]),
-        "a2": _make_adapter(tiny_model_dir, root / "a2", 3, 4, every),
+        "a": make_adapter(tiny_model_dir, root / "a", 1, 4, every),
+        "b": make_adapter(tiny_model_dir, root / "b", 2, 8, ["q_proj", "v_proj", "down_proj"]),
+        "a2": make_adapter(tiny_model_dir, root / "a2", 3, 4, every),
     }
 
 

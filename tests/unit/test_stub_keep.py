@@ -31,9 +31,11 @@ def tokens_of(version: int, n: int, prompt: list[int] = PROMPT) -> list[int]:
     return [state.token(prompt, i)[0] for i in range(n)]
 
 
-def serve(tmp_path: Path, flavor: str, *extra: str) -> Iterator[str]:
+def serve(tmp_path: Path, flavor: str, *extra: str, output_tokens: int = 64) -> Iterator[str]:
+    """The stand-in server of `flavor` (`extra`: more of its options) on a free port, until
+    the generator is closed."""
     port = free_port()
-    proc = launch(flavor, port, output_tokens=64, extra=extra, log=tmp_path / "stub.log")
+    proc = launch(flavor, port, output_tokens=output_tokens, extra=extra, log=tmp_path / "stub.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s=60)
