@@ -22,6 +22,7 @@ from gateway.admin.runs import RunService
 from gateway.admin.state import close_admin_services, install_admin_services
 from gateway.agent.capture import CaptureWriter
 from gateway.agent.completions import ChatService
+from gateway.agent.episodes import EVAL_PREFIX
 from gateway.agent.rewards import RewardService
 from gateway.agent.run_status import RunStatusService
 from gateway.control.admission import Admission
@@ -67,7 +68,9 @@ logger = logging.getLogger(__name__)
 
 PREPARE_AT_START_S = 15.0  # the most a starting process waits for its runs to be prepared
 
-EPISODE_PREFIXES = ("", "/episodes/{episode_id}", "/groups/{group_id}/episodes/{episode_id}")
+_EPISODE_FORMS = ("", "/episodes/{episode_id}", "/groups/{group_id}/episodes/{episode_id}")
+# Each form again under /eval: held-out calls, served and scored, never trained (gateway.deps).
+EPISODE_PREFIXES = (*_EPISODE_FORMS, *(EVAL_PREFIX + form for form in _EPISODE_FORMS))
 # Mounted under each of EPISODE_PREFIXES, first in the route table (hottest first).
 AGENT_ROUTERS = (chat, completions, messages, responses, rewards, models, run_status)
 # Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.

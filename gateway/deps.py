@@ -8,9 +8,9 @@ from typing import Annotated, Protocol
 from fastapi import Depends, Path, Request
 
 from core.store.models import Run
-from gateway.agent.episodes import EpisodeRef
+from gateway.agent.episodes import EVAL_PREFIX, VERSION_HEADER, EpisodeRef
 from gateway.dashboard.auth import LoginRequired, Session, active_session, require_session
-from gateway.errors import AuthenticationFailed, NotFound
+from gateway.errors import AuthenticationFailed, InvalidRequest, NotFound
 from gateway.identifiers import id_from_header
 from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
 from gateway.middleware.identity import authenticated_run, identity_of
@@ -68,11 +68,35 @@ async def episode_ref(request: Request) -> EpisodeRef:
     dependency in a worker thread, a thread hop (and GIL hand-off) on every agent call.
     """
     p, h = request.path_params, request.headers
+    evaluation = request.scope["path"].startswith(EVAL_PREFIX + "/")
     return EpisodeRef(
         episode_id=p.get("episode_id") or id_from_header(h.get("x-episode-id"), "episode_id"),
         group_id=p.get("group_id") or id_from_header(h.get("x-group-id"), "group_id"),
         source="path" if p.get("episode_id") else "header",
+        evaluation=evaluation,
+        version=pinned_version(h.get(VERSION_HEADER), evaluation),
     )
+
+
+def pinned_version(value: str | None, evaluation: bool) -> int | None:
+    """The `X-Rlgate-Version` an evaluation call pins (None: the run's current version).
+
+    Training calls are always sampled by the serving version (the staleness bound counts
+    from it), so a pin outside `/eval` is a 400, as is a value that is not a version number.
+    """
+    if value is None:
+        return None
+    if not evaluation:
+        raise InvalidRequest(
+            f"{VERSION_HEADER} pins evaluation calls only: send the call under {EVAL_PREFIX}/v1",
+            code="version_pin_not_evaluation",
+        )
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        raise InvalidRequest(
+            f"{VERSION_HEADER} must be a version number (0, 1, 2, ...), not {value[:40]!r}",
+            code="invalid_version_pin",
+        )
+    return int(value)
 
 
 async def agent_base_url(request: Request) -> str:

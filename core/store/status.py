@@ -14,7 +14,7 @@ from enum import StrEnum
 
 
 class EpisodeStatus(StrEnum):
-    """open -> rewarded -> queued -> trained, or expired / dropped on the way.
+    """open -> rewarded -> queued -> trained, or expired / dropped on the way; eval for life.
 
     A failed or unsent step hands its queued episodes back as rewarded.
     """
@@ -25,6 +25,10 @@ class EpisodeStatus(StrEnum):
     TRAINED = "trained"  # its step committed a new version
     DROPPED = "dropped"  # never trains: stale, incomplete or zero-variance group
     EXPIRED = "expired"  # open for `episode_timeout_s` without a call or a reward
+    # Held out: sampled under an `/eval` prefix, scored per version, never trained. An
+    # evaluation episode keeps this status for life, so that no query of the training
+    # path (scheduler, admission, expiry, the drop counters) ever selects it.
+    EVAL = "eval"
 
 
 class StepStatus(StrEnum):

@@ -89,35 +89,40 @@ stored_tokens: contextvars.ContextVar[StoredTokens | None] = contextvars.Context
 class _Item:
     rows: list[Completion]
     group_id: str | None
+    status: EpisodeStatus  # of the episodes its rows open: OPEN, or EVAL for held-out calls
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
 
+Batch = list[tuple[list[Completion], str | None, EpisodeStatus]]  # rows, group, episode status
+
+
 def plan(
-    items: list[tuple[list[Completion], str | None]],
+    items: Batch,
 ) -> tuple[list[dict[str, Any]], set[tuple[str, str]], list[Completion], datetime]:
     """A batch's writes: the episodes its rows open (to insert unless stored), those that may
-    exist already (to reopen if rewarded turn by turn), its completions, and its time."""
-    wanted: dict[tuple[str, str], str | None] = {}
+    exist already (to reopen if rewarded turn by turn), its completions, and its time.
+
+    An episode opens as its first request says: open (training) or eval (held out); the
+    reopen statement only touches rewarded episodes, so it never moves an eval one."""
+    wanted: dict[tuple[str, str], tuple[str | None, EpisodeStatus]] = {}
     known: set[tuple[str, str]] = set()  # episodes that may exist already
-    for rows, group_id in items:
+    for rows, group_id, status in items:
         for row in rows:
-            wanted.setdefault((row.run_id, row.episode_id), group_id)
+            wanted.setdefault((row.run_id, row.episode_id), (group_id, status))
             if row.link != "new":  # "new": a fresh id the placement just drew, unseen
                 known.add((row.run_id, row.episode_id))
     now = utcnow()
     episodes = [
         {"run_id": run_id, "id": ep_id, "group_id": group_id or UNGROUPED,
-         "status": EpisodeStatus.OPEN, "created_at": now}
-        for (run_id, ep_id), group_id in wanted.items()
+         "status": status, "created_at": now}
+        for (run_id, ep_id), (group_id, status) in wanted.items()
     ]  # fmt: skip
-    return episodes, known, [row for rows, _ in items for row in rows], now
+    return episodes, known, [row for rows, _, _ in items for row in rows], now
 
 
-async def write_rows(
-    session: AsyncSession, items: list[tuple[list[Completion], str | None]]
-) -> None:
+async def write_rows(session: AsyncSession, items: Batch) -> None:
     """Add the rows and the episodes they open, inside the caller's transaction.
 
     Nothing is read first: the episodes not stored yet (none of a fresh id can
@@ -191,14 +196,19 @@ class CaptureWriter:
                 await self._task
             self._task = None
 
-    async def submit(self, rows: list[Completion], group_id: str | None) -> None:
-        """Return once `rows` are committed; raise `Unavailable` if the database is down."""
+    async def submit(
+        self, rows: list[Completion], group_id: str | None, *, evaluation: bool = False
+    ) -> None:
+        """Return once `rows` are committed; raise `Unavailable` if the database is down.
+
+        `evaluation`: the episodes the rows open are held out (`EpisodeStatus.EVAL`)."""
+        status = EpisodeStatus.EVAL if evaluation else EpisodeStatus.OPEN
         if self._task is None or self._closing:
             # Not started (a service used without the app lifespan) or shutting down.
-            await self._write_one(_Item(rows, group_id))
+            await self._write_one(_Item(rows, group_id, status))
             _count(rows)
             return
-        item = _Item(rows, group_id)
+        item = _Item(rows, group_id, status)
         self._pending.append(item)
         self._wake.set()
         # Shielded: a client that goes away does not unsubmit its row; it is still written.
@@ -250,7 +260,7 @@ class CaptureWriter:
 
     async def _commit(self, batch: list[_Item]) -> None:
         try:
-            items = [(it.rows, it.group_id) for it in batch]
+            items: Batch = [(it.rows, it.group_id, it.status) for it in batch]
             if self._pg is not None:
                 async with driver_connection(self._pg) as conn:
                     await write_batch(conn, *plan(items))

@@ -18,11 +18,13 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.lineage import Lineage
-from core.store.models import Completion, Run, stored_version_starts
-from core.store.runs import checkpoint_of, list_runs
+from core.store.models import Completion, Episode, Run, stored_version_starts
+from core.store.runs import checkpoint_of, list_runs, policy_versions
+from core.store.status import EpisodeStatus
 from gateway.agent.capture import CaptureWriter
 from gateway.agent.encoders.chat import chat_completion
 from gateway.agent.episodes import (
+    VERSION_HEADER,
     EpisodeRef,
     Placement,
     answer_message,
@@ -33,8 +35,8 @@ from gateway.agent.episodes import (
     with_sampled_answers,
 )
 from gateway.control.admission import Admission, run_unavailable
-from gateway.control.backends import BackendPool, RunServing
-from gateway.errors import APIError, InvalidRequest, Unavailable, backend_failure
+from gateway.control.backends import BackendPool, PinUnsupported, RunServing
+from gateway.errors import APIError, Conflict, InvalidRequest, Unavailable, backend_failure
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from inference import registry
 from inference.backend import BackendError
@@ -111,7 +113,11 @@ class ChatService:
         self._configs[run] = (run.config, cfg)
         return cfg
 
-    async def serving(self, run: Run) -> RunServing:
+    async def serving(self, run: Run, ref: EpisodeRef | None = None) -> RunServing:
+        """The run's serving; for an evaluation call that pins an older version
+        (`EpisodeRef.version`), a serving of that version (`pinned`)."""
+        if ref is not None and ref.version is not None and ref.version != run.current_version:
+            return await self.pinned(run, ref.version)
         key = (run.id, run.current_version)
         ckpt = self._checkpoints.get(key)
         if ckpt is None:
@@ -135,6 +141,37 @@ class ChatService:
         except (OSError, ValueError) as exc:
             logger.exception("could not load the model of run %s", run.id)
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
+
+    async def pinned(self, run: Run, version: int) -> RunServing:
+        """A kept older `version` of the run, served beside the current one; a version that
+        does not exist or was pruned (`keep_checkpoints`) is a 400 naming those kept."""
+        async with self.sessions() as s:
+            versions = await policy_versions(s, run.id)
+        paths = {pv.version: Path(pv.checkpoint_path) for pv in versions}
+        kept = [v for v in sorted(paths) if v == 0 or paths[v].is_dir()]
+        if version not in kept or version > run.current_version:
+            raise InvalidRequest(
+                f"{VERSION_HEADER}: version {version} of run {run.name!r} is not kept; "
+                f"kept versions: {', '.join(map(str, kept)) or 'none'}",
+                code="version_not_kept",
+            )
+        try:
+            return await self.pool.pinned(
+                run.id,
+                Path(run.model_path),
+                run.backend,
+                version,
+                paths[version] if version > 0 else None,
+                lora=run.config.get("lora_rank") is not None,
+            )
+        except PinUnsupported as exc:
+            raise InvalidRequest(
+                f"{VERSION_HEADER}: {exc}; pins are served for LoRA runs and on the local backend",
+                code="version_pin_unsupported",
+            ) from exc
+        except OSError as exc:
+            logger.exception("could not load version %d of run %s", version, run.id)
+            raise Unavailable(f"version {version} of run {run.id} could not be loaded") from exc
 
     async def prewarm(self) -> None:
         """Load what serving each active run on inference servers needs (its tokenizer, chat
@@ -178,10 +215,8 @@ class ChatService:
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         cfg = self.config(run)
-        serving = await self.serving(run)
-        placement = await place(
-            self.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
-        )
+        serving = await self.serving(run, ref)
+        placement = await self.place(run, cfg, ref, req.metadata, messages)
         prompt_ids, spliced = await self.render(serving, req, messages, placement)
         template = serving.template
         params = sampling_params(
@@ -248,15 +283,46 @@ class ChatService:
                 f"messages could not be rendered: {exc}", param="messages"
             ) from exc
 
+    async def place(
+        self,
+        run: Run,
+        cfg: RunConfig,
+        ref: EpisodeRef,
+        metadata: dict[str, str] | None,
+        messages: list[dict[str, Any]],
+    ) -> Placement:
+        """The call's episode (`gateway.agent.episodes.place`); 409 if the id it names is an
+        episode of the other split (an evaluation call naming a training episode, or the
+        reverse). Prefix matching cannot cross them (`EVAL_SPACE`), and a call that found
+        its parent is in the parent's episode, so only a named episode without a parent is
+        read here."""
+        placement = await place(
+            self.lineage, run.id, ref, metadata, messages, cfg.prefix_match_window_s
+        )
+        if placement.parent is None and placement.link != "new":
+            async with self.sessions() as s:
+                stored = await s.get(Episode, (run.id, placement.episode_id))
+            if stored is not None and (stored.status == EpisodeStatus.EVAL) != ref.evaluation:
+                split, other = ("evaluation", "training")[:: 1 if ref.evaluation else -1]
+                raise Conflict(
+                    f"episode {placement.episode_id!r} is a {other} episode; a {split} call "
+                    "cannot join it (evaluation calls go under /eval, training calls not)",
+                    param="episode_id",
+                    code="episode_split_conflict",
+                )
+        return placement
+
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or
         stopped run answers 429, a call that could not be stored answers 503 (a stream
         before its first byte), and a new conversation waits here while the trainer cannot
-        absorb it (`gateway.control.admission`)."""
+        absorb it (`gateway.control.admission`). An evaluation call never waits: it is
+        never trained on, so the trainer's backlog is none of its business."""
         if run.status != "active":
             raise run_unavailable(run.id, run.status)
         await self.capture.check()  # the store lost its last batch: a 503 before sampling
-        await self.admission.admit(run, cfg, placement, n)
+        if not placement.evaluation:
+            await self.admission.admit(run, cfg, placement, n)
 
     async def create(self, run: Run, req: ChatCompletionRequest, ref: EpisodeRef) -> ChatCompletion:
         prep = await self.prepare(run, req, ref)
@@ -293,7 +359,7 @@ class ChatService:
             )
             for i, r in enumerate(results)
         ]
-        await self.store(rows, group_id)
+        await self.store(rows, group_id, evaluation=prep.placement.evaluation)
         return rows, group_id if n > 1 else None
 
     @staticmethod
@@ -333,8 +399,10 @@ class ChatService:
             version_starts=stored_version_starts(result.version_starts),
             tool_calls=calls or None,
             reasoning_content=reasoning,
-            conv_hash=conversation_hash([*prep.messages, answer_message(text, calls)]),
-            prompt_hash=conversation_hash(prep.messages),
+            conv_hash=conversation_hash(
+                [*prep.messages, answer_message(text, calls)], evaluation=placement.evaluation
+            ),
+            prompt_hash=conversation_hash(prep.messages, evaluation=placement.evaluation),
             spliced=prep.spliced,
             drift=parent is not None and not prep.spliced,
             link=placement.link,
@@ -345,13 +413,16 @@ class ChatService:
             )
         return row
 
-    async def store(self, rows: list[Completion], group_id: str | None) -> None:
+    async def store(
+        self, rows: list[Completion], group_id: str | None, *, evaluation: bool = False
+    ) -> None:
         """Commit the completions and, if new, their episodes before the answer goes out.
 
         Group commit (`CaptureWriter`): batched with concurrent requests' rows, and
         awaited, so an answered completion is always stored; 503 if the database is down.
+        `evaluation`: the episodes they open are held out (`EpisodeStatus.EVAL`).
         """
-        await self.capture.submit(rows, group_id)
+        await self.capture.submit(rows, group_id, evaluation=evaluation)
 
 
 def sampling_params(

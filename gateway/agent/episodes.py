@@ -21,6 +21,9 @@ from core.store.lineage import Lineage
 from core.store.models import Completion
 from gateway.identifiers import checked_id
 
+EVAL_PREFIX = "/eval"  # every agent endpoint again, for held-out calls (`EpisodeRef.evaluation`)
+VERSION_HEADER = "X-Rlgate-Version"  # the kept version an evaluation call pins
+
 
 @dataclass(frozen=True)
 class EpisodeRef:
@@ -29,6 +32,9 @@ class EpisodeRef:
     episode_id: str | None = None
     group_id: str | None = None
     source: str | None = None  # "path" or "header"
+    # Called under `/eval`: held out, served and scored, never trained (`EpisodeStatus.EVAL`).
+    evaluation: bool = False
+    version: int | None = None  # `X-Rlgate-Version`: the kept version an evaluation call pins
 
 
 @dataclass(frozen=True)
@@ -37,16 +43,22 @@ class Placement:
     group_id: str | None  # None: keep the episode's group (or the ungrouped pool)
     link: str  # path | header | metadata | prefix | new
     parent: Completion | None
+    evaluation: bool = False  # held out: an `/eval` call (`EpisodeRef.evaluation`)
 
 
-def conversation_hash(messages: list[dict[str, Any]]) -> str:
+# Evaluation conversations hash in a space of their own: prefix matching looks a call's
+# parent up by hash, so an evaluation call never joins a training episode nor the reverse.
+EVAL_SPACE = b"eval\x00"
+
+
+def conversation_hash(messages: list[dict[str, Any]], *, evaluation: bool = False) -> str:
     """Order- and content-exact hash of normalised messages (role, text, tool fields).
 
     A tool call's arguments count as the JSON value they spell, not as their text:
     Anthropic's clients echo a call's `input` as an object, OpenAI's as the string.
     """
     canonical = _CANONICAL_JSON.encode([_canonical_calls(m) for m in messages])
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(EVAL_SPACE * evaluation + canonical.encode()).hexdigest()
 
 
 # json.dumps with these options builds this encoder anew on every call.
@@ -57,11 +69,13 @@ def _canonical(message: dict[str, Any]) -> str:
     return _CANONICAL_JSON.encode(_canonical_calls(message))
 
 
-def assistant_prefix_hashes(messages: list[dict[str, Any]]) -> dict[str, int]:
+def assistant_prefix_hashes(
+    messages: list[dict[str, Any]], *, evaluation: bool = False
+) -> dict[str, int]:
     """`conversation_hash(messages[:end])` -> `end`, for each prefix that ends in an assistant
     message (the candidate parents), in one pass: each message is encoded once and the
     prefixes share one running hash (a list's compact JSON is its items' joined by commas)."""
-    running = hashlib.sha256(b"[")
+    running = hashlib.sha256(EVAL_SPACE * evaluation + b"[")
     out: dict[str, int] = {}
     for end, message in enumerate(messages[:-1], start=1):
         running.update(((end > 1) * "," + _canonical(message)).encode())
@@ -154,14 +168,17 @@ async def find_parent(
     messages: list[dict[str, Any]],
     episode_id: str | None,
     window_s: float,
+    *,
+    evaluation: bool = False,
 ) -> Completion | None:
     """The completion whose messages + answer are the longest prefix of `messages`.
 
     Every candidate prefix (one per assistant message) is looked up in one query; a
-    call with no assistant message reads nothing.
+    call with no assistant message reads nothing. `evaluation`: look among evaluation
+    conversations (`EVAL_SPACE`) instead of training ones.
     """
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    prefixes = assistant_prefix_hashes(messages)
+    prefixes = assistant_prefix_hashes(messages, evaluation=evaluation)
     return await lineage.parent(run_id, prefixes, since, episode_id)
 
 
@@ -174,9 +191,12 @@ async def place(
     window_s: float,
 ) -> Placement:
     episode_id, group_id, source = explicit_ids(ref, metadata)
-    parent = await find_parent(lineage, run_id, messages, episode_id, window_s)
+    parent = await find_parent(
+        lineage, run_id, messages, episode_id, window_s, evaluation=ref.evaluation
+    )
+    held_out = ref.evaluation
     if episode_id is not None:
-        return Placement(episode_id, group_id, source or "header", parent)
+        return Placement(episode_id, group_id, source or "header", parent, held_out)
     if parent is not None:  # the episode exists already, and with it its group
-        return Placement(parent.episode_id, None, "prefix", parent)
-    return Placement("ep-" + uuid.uuid4().hex, group_id, "new", None)
+        return Placement(parent.episode_id, None, "prefix", parent, held_out)
+    return Placement("ep-" + uuid.uuid4().hex, group_id, "new", None, held_out)

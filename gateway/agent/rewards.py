@@ -6,10 +6,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.episodes import refresh_episode_status
-from core.store.models import Completion, Episode, Reward, Run
+from core.store.models import Completion, Episode, Reward, Run, utcnow
 from core.store.rewards import reward_by_idempotency_key
 from core.store.runs import bump_counter
-from core.store.status import PENDING_EPISODE
+from core.store.status import PENDING_EPISODE, EpisodeStatus
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.protocol import RewardAck, RewardRequest
 from gateway.rows import from_row
@@ -113,7 +113,14 @@ class RewardService:
             idempotency_key=body.idempotency_key,
         )
         s.add(row)
-        if episode.status in PENDING_EPISODE:
+        if episode.status == EpisodeStatus.EVAL:
+            # Held out: scored, never trained. A later post revises the score.
+            if completion is not None:
+                completion.reward = body.reward
+            else:
+                episode.reward = body.reward
+                episode.rewarded_at = utcnow()
+        elif episode.status in PENDING_EPISODE:
             if completion is not None:
                 completion.reward = body.reward
             else:

@@ -232,7 +232,8 @@ class SampleStream:
     async def _store(self, result: GenerateResult) -> Completion:
         row = self.chat.completion_row(self.prep, self.id, None, result)
         try:
-            await self.chat.store([row], self.prep.placement.group_id)
+            placement = self.prep.placement
+            await self.chat.store([row], placement.group_id, evaluation=placement.evaluation)
         except asyncio.CancelledError:
             # The client went away while the row waited for its commit. The writer still
             # commits it (`CaptureWriter.submit` is shielded), so `keep_partial` must not

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from core.store.models import Run
 from gateway.agent.completions import ChatService, Prepared, sampling_params
 from gateway.agent.encoders.text import TextChunks, text_completion
-from gateway.agent.episodes import EpisodeRef, explicit_ids, place
+from gateway.agent.episodes import EpisodeRef, explicit_ids
 from gateway.agent.events import encoded
 from gateway.agent.sse import event_stream, sse
 from gateway.agent.streaming import SampleStream
@@ -52,7 +52,7 @@ class TextCompletionService:
         if req.suffix:
             raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
         explicit_ids(ref, req.metadata)  # validate ids before any work
-        serving = await self.chat.serving(run)
+        serving = await self.chat.serving(run, ref)
         template = serving.template
         if isinstance(prompt, str):
             prompt_ids = await asyncio.to_thread(template.encode, prompt)
@@ -81,9 +81,7 @@ class TextCompletionService:
         )
         messages = [{"role": PROMPT_ROLE, "content": text}]
         cfg = self.chat.config(run)
-        placement = await place(
-            self.chat.lineage, run.id, ref, req.metadata, messages, cfg.prefix_match_window_s
-        )
+        placement = await self.chat.place(run, cfg, ref, req.metadata, messages)
         await self.chat.admit(run, cfg, placement)
         return Prepared(run, serving, messages, placement, prompt_ids, False, params)
 

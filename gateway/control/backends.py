@@ -54,6 +54,10 @@ class SharedBase:
     runs: set[str]
 
 
+class PinUnsupported(ValueError):
+    """This run's backend cannot serve an older version beside its current one."""
+
+
 def _model_context(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 2048)
@@ -121,6 +125,20 @@ class BackendPool:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
                 self._serving[run_id] = serving
         return self._serving[run_id]
+
+    async def pinned(
+        self,
+        run_id: str,
+        model_dir: Path,
+        backend: str,
+        version: int,
+        ckpt: Path | None,
+        *,
+        lora: bool = False,
+    ) -> RunServing:
+        """A serving of the run's kept `version` beside its current one, for evaluation calls
+        that pin it (`X-Rlgate-Version`); it never takes part in the run's swaps."""
+        raise PinUnsupported(f"run {run_id}: its backend cannot serve a pinned version")
 
     def _check_kind(self, backend: str) -> None:
         """Raise if this pool may not serve runs of kind `backend` (any kind here)."""

@@ -46,8 +46,9 @@ from gateway.middleware.identity import authenticated_run, identity_of
 logger = logging.getLogger(__name__)
 
 DAY_S = 86400
-# Agent endpoints: /v1/..., /episodes/{id}/v1/..., /groups/{g}/episodes/{id}/v1/...
-AGENT_PREFIXES = ("/v1/", "/episodes/", "/groups/")
+# Agent endpoints: /v1/..., /episodes/{id}/v1/..., /groups/{g}/episodes/{id}/v1/..., and each
+# of them under /eval/ (held-out calls are metered as any other).
+AGENT_PREFIXES = ("/v1/", "/episodes/", "/groups/", "/eval/")
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,10 @@ from gateway.dashboard.routes import PREFIX as DASHBOARD
 from gateway.metrics import router as prometheus_router
 from gateway.routes import health
 
-AGENT_STARTS = (
-    "/v1/",
-    "/episodes/{episode_id}/v1/",
-    "/groups/{group_id}/episodes/{episode_id}/v1/",
-)
+_FORMS = ("/v1/", "/episodes/{episode_id}/v1/", "/groups/{group_id}/episodes/{episode_id}/v1/")
+AGENT_STARTS = (*_FORMS, *("/eval" + form for form in _FORMS))
 # the first segment of every agent path: anything else can never match an agent route
-AGENT_FIRST = ("v1", "episodes", "groups")
+AGENT_FIRST = ("v1", "episodes", "groups", "eval")
 
 
 def _paths(router) -> list[str]:
