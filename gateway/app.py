@@ -49,6 +49,7 @@ from gateway.routes import (
     chat,
     completions,
     episodes,
+    evals,
     export,
     health,
     keys,
@@ -74,7 +75,7 @@ EPISODE_PREFIXES = (*_EPISODE_FORMS, *(EVAL_PREFIX + form for form in _EPISODE_F
 # Mounted under each of EPISODE_PREFIXES, first in the route table (hottest first).
 AGENT_ROUTERS = (chat, completions, messages, responses, rewards, models, run_status)
 # Keys and replicas before runs: its catch-all POST /runs/{id}/{action} would take theirs.
-ADMIN_ROUTERS = (replicas, keys, runs, export, episodes, metrics, quotas)
+ADMIN_ROUTERS = (replicas, keys, runs, export, episodes, evals, metrics, quotas)
 
 
 @dataclass
