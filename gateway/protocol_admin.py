@@ -201,3 +201,27 @@ class KeyQuota(KeyLimits):
     key_id: int
     requests_this_min: int
     tokens_today: int
+
+
+class EvalRow(BaseModel):
+    """A version's held-out figures: its scored evaluation episodes and their mean reward."""
+
+    version: int
+    episodes: int
+    mean_reward: float
+    stderr: float | None  # sample std / sqrt(episodes); null under two episodes
+
+
+class EvalSpanning(BaseModel):
+    """Evaluation episodes whose tokens came from more than one version (a swap mid-episode)."""
+
+    episodes: int
+    mean_reward: float
+    stderr: float | None
+
+
+class EvalFiguresList(BaseModel):
+    object: Literal["list"] = "list"
+    run_id: str
+    data: list[EvalRow]  # ascending version; versions with no scored episode are absent
+    spanning: EvalSpanning | None  # null: no scored episode spans a swap

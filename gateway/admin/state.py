@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.settings import Settings
 from gateway.admin.episodes import EpisodeAdmin
+from gateway.admin.evals import EvalAdmin
 from gateway.admin.metrics import MetricsAdmin
 from gateway.admin.run_ops import RunAdmin
 from gateway.admin.workers import WorkerAdmin
@@ -28,6 +29,7 @@ def install_admin_services(
     state.run_admin = RunAdmin(sessions, pool, settings.checkpoints_dir)
     state.episode_admin = EpisodeAdmin(sessions)
     state.metrics_admin = MetricsAdmin(sessions)
+    state.eval_admin = EvalAdmin(sessions)
     state.worker_admin = WorkerAdmin(
         sessions, celery, settings.queue_name, pool=pool, threads=settings.threads()
     )
