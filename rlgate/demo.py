@@ -9,6 +9,13 @@ problem) call the gateway over HTTP, each reply is scored, rewards go back
 through the REST API, the gateway enqueues a train step, the Celery worker
 writes version N+1, and the gateway hot-swaps it in. The next wave samples
 from N+1.
+
+Held-out reward: at version 0, each time the version moves by `eval_every`,
+and at the final version, the held-out problems (never drawn for training)
+go through the run's `/eval` base_url, greedily, and their rewards are
+posted like any other. The gateway serves and scores them but never trains
+on them nor counts them against admission, so evaluating changes nothing in
+the training loop; it only adds one small batch of calls per evaluation.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import statistics
 import sys
@@ -32,7 +40,7 @@ import openai
 
 from core.settings import Settings, available_cores
 from core.store.status import StepStatus
-from rlgate.demo_task import make_problem, score
+from rlgate.demo_task import heldout_problems, make_problem, score
 from rlgate.stack import embedded_stack
 
 logger = logging.getLogger(__name__)
@@ -59,6 +67,10 @@ class DemoConfig:
     backend: str = "local"  # or a remote kind ("vllm"): the demo starts its server
     server_port: int = 8767  # remote backends: the server's loopback port
     server_max_model_len: int = 2048
+    # Held-out evaluation at version 0, whenever the version moves by this much, and at the
+    # final version (greedy, `max_tokens`); 0 never evaluates. Each evaluation is one batch
+    # of the few held-out problems, so this default keeps it to a few percent of the wall time.
+    eval_every: int = 3
 
 
 @dataclass
@@ -115,6 +127,91 @@ async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.R
         await c.close()
     tokens = sum(r.usage.completion_tokens for r in responses)
     return Wave(rewards, tokens, time.perf_counter() - t0)
+
+
+def _versions(resp: Any) -> set[int]:
+    """The versions that sampled a reply's tokens: rlgate's `policy_version` and, when a swap
+    came mid-reply, `version_starts` (both in the openai SDK's `model_extra`)."""
+    extra = resp.model_extra or {}
+    return {v for _, v in extra.get("version_starts") or [[0, extra["policy_version"]]]}
+
+
+def eval_figures(scores: list[tuple[float, set[int]]]) -> list[dict[str, Any]]:
+    """Per version: the episodes it alone sampled, their mean reward and its standard error.
+
+    The gateway's rule: an evaluation episode counts for a version only if that
+    version sampled all its tokens; one that spans a swap is left out here.
+    stderr is the sample standard deviation over sqrt(n), None below two episodes.
+    """
+    by_version: dict[int, list[float]] = {}
+    for reward, versions in scores:
+        if len(versions) == 1:
+            by_version.setdefault(next(iter(versions)), []).append(reward)
+    return [
+        {
+            "version": v,
+            "episodes": len(rs),
+            "mean_reward": statistics.fmean(rs),
+            "stderr": statistics.stdev(rs) / math.sqrt(len(rs)) if len(rs) > 1 else None,
+        }
+        for v, rs in sorted(by_version.items())
+    ]
+
+
+async def evaluate(url: str, run: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
+    """The held-out set once through the run's `/eval` base_url; the figures of the version(s)
+    that served it (one, unless a swap came mid-evaluation).
+
+    Each problem is an evaluation episode, named by its path-scoped base_url
+    (`/eval/episodes/{id}/v1`), answered greedily so that a version's figure
+    does not depend on sampling luck, scored by the training reward, and
+    rewarded through `POST /v1/rewards` like any episode.
+    """
+    tag = uuid.uuid4().hex[:8]
+
+    async def attempt(i: int, problem) -> tuple[str, float, set[int]]:
+        episode = f"eval-{tag}-{i}"
+        async with openai.AsyncOpenAI(
+            base_url=f"{url}/eval/episodes/{episode}/v1",
+            api_key=run["api_key"],
+            max_retries=2,
+            timeout=600,
+        ) as client:
+            resp = await client.chat.completions.create(
+                model=run["name"],
+                messages=[{"role": "user", "content": problem.prompt}],
+                temperature=0.0,
+                max_tokens=cfg.max_tokens,
+            )
+        return episode, score(problem, resp.choices[0].message.content or ""), _versions(resp)
+
+    results = await asyncio.gather(*(attempt(i, p) for i, p in enumerate(heldout_problems())))
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {run['api_key']}"}, timeout=60
+    ) as http:
+        for episode, reward, _ in results:
+            r = await http.post(
+                "/v1/rewards",
+                json={"episode_id": episode, "reward": reward, "idempotency_key": episode},
+            )
+            r.raise_for_status()
+    return eval_figures([(reward, versions) for _, reward, versions in results])
+
+
+async def _evaluate_and_report(
+    url: str, run: dict[str, Any], cfg: DemoConfig, evals: list[dict[str, Any]]
+) -> None:
+    t0 = time.perf_counter()
+    rows = await evaluate(url, run, cfg)
+    seconds = time.perf_counter() - t0
+    for row in rows:
+        evals.append(row)
+        spread = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
+        print(
+            f"held-out v{row['version']}: reward {row['mean_reward']:.3f}{spread} over "
+            f"{row['episodes']} problems never trained on (greedy, {seconds:.1f} s)",
+            flush=True,
+        )
 
 
 def plateaued(rewards: list[float], min_gain: float, patience: int) -> bool:
@@ -176,6 +273,11 @@ async def _loop(
             raise RuntimeError(f"could not create the run: {r.text}")
         run = r.json()
         steps: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
+        evaluated: set[int] = set()  # versions whose held-out set has run
+        if cfg.eval_every:
+            await _evaluate_and_report(url, run, cfg, evals)
+            evaluated.add(0)
         converged = False
         for step in range(cfg.steps):
             rewards, tokens, gen_s = [], 0, 0.0
@@ -216,25 +318,33 @@ async def _loop(
                 f"| train {entry['train_tokens_per_s'] or 0:.0f} tok/s | loss {entry['loss']:+.4f}",
                 flush=True,
             )
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                await _evaluate_and_report(url, run, cfg, evals)
+                evaluated.add(step + 1)
             if plateaued([s["reward_mean"] for s in steps], cfg.min_gain, cfg.patience):
                 print(
                     f"learned; no new best reward in {cfg.patience} versions: "
                     f"stopping after {step + 1} steps (--patience 0 trains every step)"
                 )
                 break
+        final_version = len(steps)
+        if cfg.eval_every and final_version not in evaluated:
+            # Before the final wave: its rewards may enqueue one more step, whose swap would
+            # then serve part of the evaluation.
+            await _evaluate_and_report(url, run, cfg, evals)
         if not converged:  # measure the last version too; a converged loop just measured it
             final = await run_wave(url, run, cfg, rng)
             rewards = final.rewards
         steps.append(
             {
-                "step": len(steps),
-                "version": len(steps),
+                "step": final_version,
+                "version": final_version,
                 "trained": False,
                 "reward_mean": statistics.fmean(rewards),
                 "samples": len(rewards),
             }
         )
-        return {"run_id": run["run_id"], "steps": steps, "converged": converged}
+        return {"run_id": run["run_id"], "steps": steps, "converged": converged, "eval": evals}
 
 
 def summarize(cfg: DemoConfig, steps: list[dict[str, Any]]) -> dict:
@@ -271,7 +381,22 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     steps = summary["steps"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], marker="o")
+    ax.plot(
+        [s["step"] for s in steps],
+        [s["reward_mean"] for s in steps],
+        marker="o",
+        label="training waves",
+    )
+    if summary.get("eval"):
+        held = summary["eval"]
+        ax.plot(
+            [e["version"] for e in held],
+            [e["mean_reward"] for e in held],
+            marker="s",
+            ls="--",
+            color="tab:orange",
+            label="held-out (greedy)",
+        )
     ax.axhline(summary["reward_first"], color="grey", ls=":", label="first steps")
     ax.axhline(summary["reward_last"], color="green", ls="--", label="last steps")
     ax.set_xlabel("train step (policy version that sampled)")
@@ -347,6 +472,7 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     summary = summarize(cfg, result["steps"])
     summary["run_id"] = result["run_id"]
     summary["converged_early"] = result["converged"]
+    summary["eval"] = result["eval"]
     summary["wall_seconds"] = time.perf_counter() - t0
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(summary, cfg.out / "reward.png")
