@@ -124,6 +124,12 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request body must arrive within this; slower: 408, closed"
     )
     max_batch_size: int = Field(32, ge=1, description="local backend batch size")
+    eval_pinned_copies: int = Field(
+        1,
+        ge=0,
+        description="extra full model copies each gateway process may hold for evaluation "
+        "calls that pin an older version of a local full-model run; 0: no such pins",
+    )
     backend_threads: int = Field(
         0, ge=0, description="torch threads of the gateway's local backend; 0: derived from cores"
     )

@@ -186,6 +186,7 @@ async def build_services(state: State, settings: Settings, migrate: bool) -> Eng
         replica_config=settings.replica_config(),
         threads=settings.threads().backend,
         credentials=settings.server_credentials(),
+        eval_pinned_copies=settings.eval_pinned_copies,
         swaps=make_server_swaps(url, settings.replica_config().load_retry_s),
     )
     celery = make_celery(settings.queue())

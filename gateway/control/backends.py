@@ -11,21 +11,42 @@ LoRA runs (`RunConfig.lora_rank`) on an in-process kind share ONE backend per
 `AdapterView` on it that loads only its adapter, and the base is closed when
 its last run is unloaded. A remote LoRA run's replica set must serve adapters
 itself (`AdapterBackend`); its view then routes its requests to its adapter.
+
+Pinned versions (evaluation calls with `X-Rlgate-Version`, `pinned`) are
+servings of a kept older version beside the run's current one; they never
+take part in swaps, since a pinned version never changes. A full-model run on
+an in-process kind gets a whole extra copy of the model, at most
+`eval_pinned_copies` per process (least recently used closed first); a LoRA
+run gets the pinned version's adapter under a name of its own
+(`pinned_adapter_name`) on the run's base (in-process) or on its servers
+(remote), at most `MAX_PINNED_ADAPTERS` per process. A full-model run on
+servers cannot pin: its servers hold one set of weights.
+
+Closing an evicted pinned serving lets the calls already queued on it finish
+(an in-process backend drains its queue; an adapter unload drains the
+adapter's requests); a call that took the serving just before the eviction
+and had not yet submitted fails like any call to a closed backend. Size
+`eval_pinned_copies` to the versions compared at once to keep that rare.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.config import ReplicaConfig, ServerCredentials
 from inference import registry
-from inference.backend import AdapterBackend, Backend
+from inference.backend import AdapterBackend, Backend, BackendError
 from inference.chat_template import ChatTemplate
 from inference.lora_view import AdapterView
 from inference.replicas import ReplicaSet
@@ -58,6 +79,18 @@ class PinUnsupported(ValueError):
     """This run's backend cannot serve an older version beside its current one."""
 
 
+# Pinned LoRA versions served at once by one gateway process, over all runs: an adapter is
+# a few MB, but each one served on vLLM also competes for its --max-loras slots.
+MAX_PINNED_ADAPTERS = 8
+
+
+def pinned_adapter_name(run_id: str, version: int, tag: str = "") -> str:
+    """The adapter name a pinned LoRA version is served under; never a run id (those
+    contain no "@"), so it never replaces the run's own adapter. `tag`: this process's,
+    for adapters on servers that other gateway processes also load pins onto."""
+    return f"{run_id}@v{version}" + (f".{tag}" if tag else "")
+
+
 def _model_context(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 2048)
@@ -74,9 +107,13 @@ class BackendPool:
         threads: int = 0,
         credentials: ServerCredentials | None = None,
         swaps: ServerSwaps | None = None,
+        eval_pinned_copies: int = 1,
     ) -> None:
         """`swaps`: how a remote run's servers join this process's swaps (default: alone;
-        on PostgreSQL, the barrier agreed with the other gateway processes)."""
+        on PostgreSQL, the barrier agreed with the other gateway processes).
+        `eval_pinned_copies`: extra full model copies pinned versions may hold (`pinned`)."""
+        if eval_pinned_copies < 0:
+            raise ValueError("eval_pinned_copies must be 0 or more")
         self.max_batch_size = max_batch_size
         self.credentials = credentials  # what remote runs' servers and weight server require
         self.threads = threads  # torch threads of an in-process backend (0: torch's default)
@@ -86,6 +123,12 @@ class BackendPool:
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[tuple[str, Path], SharedBase] = {}  # (kind, base dir) -> LoRA base
         self.swaps: ServerSwaps = swaps or SoleServerSwaps()
+        self.eval_pinned_copies = eval_pinned_copies
+        # (run, version) -> pinned serving, least recently used first
+        self._pinned_copies: OrderedDict[tuple[str, int], RunServing] = OrderedDict()
+        self._pinned_adapters: OrderedDict[tuple[str, int], RunServing] = OrderedDict()
+        self._pin_locks: dict[int, asyncio.Lock] = {}  # one load at a time per pin cache
+        self._pin_tag = uuid.uuid4().hex[:8]  # this process's pinned adapters on servers
 
     def loaded(self) -> dict[str, RunServing]:
         return dict(self._serving)
@@ -137,8 +180,126 @@ class BackendPool:
         lora: bool = False,
     ) -> RunServing:
         """A serving of the run's kept `version` beside its current one, for evaluation calls
-        that pin it (`X-Rlgate-Version`); it never takes part in the run's swaps."""
-        raise PinUnsupported(f"run {run_id}: its backend cannot serve a pinned version")
+        that pin it (`X-Rlgate-Version`); it never takes part in the run's swaps, and its
+        results report `version`. `ckpt`: that version's checkpoint (None: version 0).
+
+        Raises `PinUnsupported` where it cannot be served (a full-model run on servers, or
+        no pinned copies allowed), `OSError` where loading it failed.
+        """
+        self._check_kind(backend)
+        key = (run_id, version)
+        if lora:
+            load = partial(self._load_pinned_adapter, run_id, model_dir, backend, version, ckpt)
+            return await self._pinned(self._pinned_adapters, MAX_PINNED_ADAPTERS, key, load)
+        if registry.get(backend).remote:
+            raise PinUnsupported(
+                f"run {run_id} samples from {backend} servers, which hold only its current weights"
+            )
+        if self.eval_pinned_copies < 1:
+            raise PinUnsupported(
+                "this gateway holds no extra model copies for pins (eval_pinned_copies is 0)"
+            )
+        load = partial(asyncio.to_thread, self._load, model_dir, backend, version, ckpt)
+        return await self._pinned(self._pinned_copies, self.eval_pinned_copies, key, load)
+
+    async def _pinned(
+        self,
+        cache: OrderedDict[tuple[str, int], RunServing],
+        bound: int,
+        key: tuple[str, int],
+        load: Callable[[], Awaitable[RunServing]],
+    ) -> RunServing:
+        """`cache[key]`, loaded by `load` when missing after the least recently used
+        servings past `bound - 1` are released (so at most `bound` are held, loads
+        included: one load at a time per cache)."""
+        serving = cache.get(key)
+        if serving is None:
+            async with self._pin_locks.setdefault(id(cache), asyncio.Lock()):
+                serving = cache.get(key)
+                if serving is None:
+                    while len(cache) >= bound:
+                        (run_id, version), old = cache.popitem(last=False)
+                        logger.info("run %s: pinned v%d released (least recently used)",
+                                    run_id, version)  # fmt: skip
+                        await self._release_pinned(run_id, version, old)
+                    try:
+                        serving = await load()
+                    except BackendError as exc:
+                        raise OSError(str(exc)) from exc
+                    cache[key] = serving
+                    logger.info("run %s: v%d pinned for evaluation calls", *key)
+        cache.move_to_end(key)
+        return serving
+
+    async def _load_pinned_adapter(
+        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+    ) -> RunServing:
+        """Version `version` of a LoRA run as an adapter of its own (version 0: the base, no
+        adapter): on the shared base in-process, on the run's servers for a remote run."""
+        if not registry.get(backend).remote:
+            name = pinned_adapter_name(run_id, version)
+            return await self._load_lora(name, model_dir, backend, version, ckpt)
+        run = self._serving.get(run_id) or await self._load_current(run_id, model_dir, backend)
+        if run.replicas is None:
+            raise OSError(f"run {run_id} has no servers loaded to pin a version on")
+        name = pinned_adapter_name(run_id, version, self._pin_tag)
+        view = AdapterView(run.replicas, name)
+        if version > 0 and ckpt is not None:
+            if not ckpt.is_dir():
+                raise OSError(f"adapter {ckpt} of version {version} is missing")
+            try:
+                await view.load_weights(ckpt, version)
+            except BaseException:  # replicas that did load it, or get it when back: drop it
+                with contextlib.suppress(Exception):
+                    await run.replicas.unload_adapter(name)
+                raise
+        return RunServing(view, run.template, run.max_context, InPlaceSwap(view), run.replicas)
+
+    async def _load_current(self, run_id: str, model_dir: Path, backend: str) -> RunServing:
+        """The remote LoRA run's own serving, at its current version (its pins ride on its
+        servers)."""
+        from core.store.models import Run
+        from core.store.runs import checkpoint_of
+
+        if self.sessions is None:
+            raise OSError(f"run {run_id}: no store to find its servers in")
+        async with self.sessions() as s:
+            run = await s.get(Run, run_id)
+            if run is None:
+                raise OSError(f"no run {run_id}")
+            version = run.current_version
+            ckpt = await checkpoint_of(s, run_id, version)
+        try:
+            return await self.get(
+                run_id, model_dir, backend, version, Path(ckpt) if ckpt else None, lora=True
+            )
+        except ValueError as exc:  # no replica registered: the run cannot serve at all
+            raise OSError(str(exc)) from exc
+
+    async def _release_pinned(self, run_id: str, version: int, serving: RunServing) -> None:
+        """Close one pinned serving: a copy's backend, or a pinned adapter (and its hold on
+        the shared base, in-process)."""
+        try:
+            await serving.backend.close()
+        except Exception:  # a server already gone: nothing left to unload there
+            logger.warning("run %s: releasing pinned v%d failed", run_id, version, exc_info=True)
+        finally:
+            await self._release_base(pinned_adapter_name(run_id, version))
+
+    async def _release_pins(self, run_id: str | None) -> None:
+        """Release the pinned servings of `run_id` (None: of every run)."""
+        for cache in (self._pinned_adapters, self._pinned_copies):
+            for key in [k for k in cache if run_id is None or k[0] == run_id]:
+                serving = cache.pop(key, None)
+                if serving is not None:
+                    await self._release_pinned(*key, serving)
+
+    def pinned_versions(self) -> dict[str, list[int]]:
+        """Run id -> the pinned versions this process serves now (copies and adapters)."""
+        found: dict[str, list[int]] = {}
+        for run_id, version in [*self._pinned_copies, *self._pinned_adapters]:
+            found.setdefault(run_id, []).append(version)
+        return {run_id: sorted(v) for run_id, v in found.items()}
 
     def _check_kind(self, backend: str) -> None:
         """Raise if this pool may not serve runs of kind `backend` (any kind here)."""
@@ -297,7 +458,9 @@ class BackendPool:
         return None if replicas is None else replicas.replica_status()
 
     async def unload(self, run_id: str) -> None:
-        """Stop serving the run; a LoRA run unloads only its adapter from the shared base."""
+        """Stop serving the run and its pinned versions; a LoRA run unloads only its adapters
+        from the shared base or its servers."""
+        await self._release_pins(run_id)  # before the servers they ride on close
         serving = self._serving.pop(run_id, None)
         try:
             if serving is not None:
@@ -308,6 +471,7 @@ class BackendPool:
                 await serving.swapper.close()
 
     async def close(self) -> None:
+        await self._release_pins(None)
         for run_id in list(self._serving):
             await self.unload(run_id)
         await self.swaps.close()
