@@ -23,6 +23,8 @@ LIVE_CONFIG_KEYS = frozenset(
         "reward_max",
         "keep_checkpoints",
         "prefix_match_window_s",
+        "eval_keep_episodes",
+        "eval_retention_s",
     }
 )
 
