@@ -149,6 +149,19 @@ class RunConfig(BaseModel):
         "groups sampled; the engine does not forward it); skip: drop it, and wait for "
         "groups_per_step groups whose rewards differ",
     )
+    # --- evaluation episodes (under /eval): how many the store keeps (gateway.control.eval_retention)
+    eval_keep_episodes: int = Field(
+        10000,
+        ge=1,
+        description="the newest evaluation episodes kept (by first call); older ones are deleted "
+        "with their completions and rewards once quiet for 5 minutes",
+    )
+    eval_retention_s: float | None = Field(
+        None,
+        gt=0,
+        description="also delete evaluation episodes quiet (no call, no reward) for this long; "
+        "None: no age limit",
+    )
     tool_parser: str = Field("hermes", description="how tool calls are read from sampled text")
     reasoning_parser: Literal["none", "think"] = Field(
         "none", description="think: return <think>...</think> as reasoning_content"
