@@ -131,16 +131,30 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
         """A new episode; `episode_id` defaults to a fresh `ep-<uuid>`."""
         return self._episode_class(self, episode_id, group_id)
 
+    def evaluation(
+        self,
+        episode_id: str | None = None,
+        group_id: str | None = None,
+        *,
+        version: int | None = None,
+    ) -> EpisodeT:
+        """A new held-out episode: its calls go under `/eval` (served and scored, never
+        trained); `version` pins a kept version (`X-Rlgate-Version`), else the run's current."""
+        return self._episode_class(self, episode_id, group_id, evaluation=True, version=version)
+
     def group(self, group_id: str | None = None) -> GroupT:
         """A new group; `group_id` defaults to a fresh `grp-<uuid>`."""
         return self._group_class(self, group_id)
 
-    def scoped_base_url(self, episode_id: str, group_id: str | None) -> str:
-        """The OpenAI base URL that files every call under this episode (and group)."""
+    def scoped_base_url(
+        self, episode_id: str, group_id: str | None, *, evaluation: bool = False
+    ) -> str:
+        """The OpenAI base URL that files every call under this episode (and group);
+        `evaluation`: under `/eval`, as a held-out episode."""
         path = f"/episodes/{quote(episode_id, safe='')}/v1"
         if group_id is not None:
             path = f"/groups/{quote(group_id, safe='')}" + path
-        return self.root + path
+        return self.root + "/eval" * evaluation + path
 
     def reward_body(
         self,

@@ -31,21 +31,39 @@ GateT = TypeVar("GateT", "RLGate", "AsyncRLGate")
 
 
 class _EpisodeBase(Generic[GateT]):
-    def __init__(self, gate: GateT, episode_id: str | None, group_id: str | None) -> None:
+    def __init__(
+        self,
+        gate: GateT,
+        episode_id: str | None,
+        group_id: str | None,
+        *,
+        evaluation: bool = False,
+        version: int | None = None,
+    ) -> None:
+        """`evaluation`: a held-out episode (`RLGate.evaluation`); `version`: the kept version
+        its calls pin."""
+        if version is not None and (not evaluation or version < 0):
+            raise ValueError("version pins a held-out episode only, and is >= 0")
         self.gate = gate
         self.id = check_id("episode_id", new_episode_id() if episode_id is None else episode_id)
         self.group_id = None if group_id is None else check_id("group_id", group_id)
+        self.evaluation = evaluation
+        self.version = version
         # Every OpenAI call made against this URL is filed under this episode (and group).
-        self.base_url = gate.scoped_base_url(self.id, self.group_id)
+        self.base_url = gate.scoped_base_url(self.id, self.group_id, evaluation=evaluation)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(id={self.id!r}, group_id={self.group_id!r})"
+        held_out = ", evaluation=True" if self.evaluation else ""
+        return f"{type(self).__name__}(id={self.id!r}, group_id={self.group_id!r}{held_out})"
 
     def _openai_kwargs(self, kwargs: dict[str, Any], http_class: type) -> dict[str, Any]:
         """Arguments for an OpenAI client filed under this episode, on the gate's transport."""
         transport = self.gate.transport
         if transport is not None and "http_client" not in kwargs:
             kwargs["http_client"] = http_class(transport=transport)
+        if self.version is not None:
+            pin = {"X-Rlgate-Version": str(self.version)}
+            kwargs["default_headers"] = {**pin, **(kwargs.get("default_headers") or {})}
         return {"base_url": self.base_url, "api_key": self.gate.api_key, **kwargs}
 
 

@@ -122,6 +122,19 @@ def test_sync_group_files_calls_and_rewards_under_its_episodes(gateway_server, r
     assert rows == [(episodes[0].id, "rewarded", 0.0), (episodes[1].id, "rewarded", 1.0)]
 
 
+def test_evaluation_episodes_are_held_out_and_scored(gateway_server, run) -> None:
+    with RLGate(run["base_url"], run["api_key"]) as gate:
+        held = gate.evaluation(version=0)  # the current version, pinned
+        reply = held.openai().chat.completions.create(
+            model=run["name"], messages=USER, max_tokens=4
+        )
+        assert gateway_server.completion(reply.id)["episode_id"] == held.id
+        ack = held.reward(0.5)
+        assert (ack.episode_id, ack.episode_status) == (held.id, "eval")
+    rows = gateway_server.query("SELECT status, reward FROM episodes WHERE id = ?", (held.id,))
+    assert rows == [("eval", 0.5)]
+
+
 def test_reward_completion_and_a_repeated_key_is_stored_once(gateway_server, run) -> None:
     with RLGate(run["base_url"], run["api_key"]) as gate:
         episode = gate.episode()

@@ -219,6 +219,23 @@ def test_openai_client_hits_scoped_url_with_bearer_key() -> None:
     assert completion.model_extra == {"episode_id": "ep-1", "policy_version": 3}
 
 
+def test_evaluation_episodes_call_under_eval_and_carry_their_pin() -> None:
+    gw = Gateway(chat_completion, chat_completion)
+    gate = make_gate(gw)
+    held = gate.evaluation("ev-1", "g1", version=2)
+    held.openai().chat.completions.create(model="r", messages=[{"role": "user", "content": "x"}])
+    gate.evaluation("ev-2").openai().chat.completions.create(
+        model="r", messages=[{"role": "user", "content": "x"}]
+    )
+    pinned, current = gw.requests
+    assert str(pinned.url) == "http://gw.test/eval/groups/g1/episodes/ev-1/v1/chat/completions"
+    assert pinned.headers["x-rlgate-version"] == "2"
+    assert str(current.url) == "http://gw.test/eval/episodes/ev-2/v1/chat/completions"
+    assert "x-rlgate-version" not in current.headers
+    with pytest.raises(ValueError):
+        gate.evaluation(version=-1)
+
+
 # --- errors and retries --------------------------------------------------------------------
 
 
