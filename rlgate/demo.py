@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import random
 import statistics
 import sys
@@ -136,36 +135,18 @@ def _versions(resp: Any) -> set[int]:
     return {v for _, v in extra.get("version_starts") or [[0, extra["policy_version"]]]}
 
 
-def eval_figures(scores: list[tuple[float, set[int]]]) -> list[dict[str, Any]]:
-    """Per version: the episodes it alone sampled, their mean reward and its standard error.
-
-    The gateway's rule: an evaluation episode counts for a version only if that
-    version sampled all its tokens; one that spans a swap is left out here.
-    stderr is the sample standard deviation over sqrt(n), None below two episodes.
-    """
-    by_version: dict[int, list[float]] = {}
-    for reward, versions in scores:
-        if len(versions) == 1:
-            by_version.setdefault(next(iter(versions)), []).append(reward)
-    return [
-        {
-            "version": v,
-            "episodes": len(rs),
-            "mean_reward": statistics.fmean(rs),
-            "stderr": statistics.stdev(rs) / math.sqrt(len(rs)) if len(rs) > 1 else None,
-        }
-        for v, rs in sorted(by_version.items())
-    ]
-
-
-async def evaluate(url: str, run: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
-    """The held-out set once through the run's `/eval` base_url; the figures of the version(s)
-    that served it (one, unless a swap came mid-evaluation).
+async def evaluate(
+    url: str, run: dict[str, Any], cfg: DemoConfig, admin: httpx.AsyncClient
+) -> list[dict[str, Any]]:
+    """The held-out set once through the run's `/eval` base_url; the gateway's figures
+    (`GET /admin/v1/runs/{id}/evals`) for the version that served it.
 
     Each problem is an evaluation episode, named by its path-scoped base_url
     (`/eval/episodes/{id}/v1`), answered greedily so that a version's figure
     does not depend on sampling luck, scored by the training reward, and
-    rewarded through `POST /v1/rewards` like any episode.
+    rewarded through `POST /v1/rewards` like any episode. The demo evaluates a
+    version once and trains nothing meanwhile, so that version's row is this
+    evaluation's; a reply that spanned a swap would count apart, in no row.
     """
     tag = uuid.uuid4().hex[:8]
 
@@ -195,14 +176,21 @@ async def evaluate(url: str, run: dict[str, Any], cfg: DemoConfig) -> list[dict[
                 json={"episode_id": episode, "reward": reward, "idempotency_key": episode},
             )
             r.raise_for_status()
-    return eval_figures([(reward, versions) for _, reward, versions in results])
+    served = {v for _, _, versions in results if len(versions) == 1 for v in versions}
+    r = await admin.get(f"/admin/v1/runs/{run['run_id']}/evals")
+    r.raise_for_status()
+    return [row for row in r.json()["data"] if row["version"] in served]
 
 
 async def _evaluate_and_report(
-    url: str, run: dict[str, Any], cfg: DemoConfig, evals: list[dict[str, Any]]
+    url: str,
+    run: dict[str, Any],
+    cfg: DemoConfig,
+    admin: httpx.AsyncClient,
+    evals: list[dict[str, Any]],
 ) -> None:
     t0 = time.perf_counter()
-    rows = await evaluate(url, run, cfg)
+    rows = await evaluate(url, run, cfg, admin)
     seconds = time.perf_counter() - t0
     for row in rows:
         evals.append(row)
@@ -276,7 +264,7 @@ async def _loop(
         evals: list[dict[str, Any]] = []
         evaluated: set[int] = set()  # versions whose held-out set has run
         if cfg.eval_every:
-            await _evaluate_and_report(url, run, cfg, evals)
+            await _evaluate_and_report(url, run, cfg, admin, evals)
             evaluated.add(0)
         converged = False
         for step in range(cfg.steps):
@@ -319,7 +307,7 @@ async def _loop(
                 flush=True,
             )
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                await _evaluate_and_report(url, run, cfg, evals)
+                await _evaluate_and_report(url, run, cfg, admin, evals)
                 evaluated.add(step + 1)
             if plateaued([s["reward_mean"] for s in steps], cfg.min_gain, cfg.patience):
                 print(
@@ -331,7 +319,7 @@ async def _loop(
         if cfg.eval_every and final_version not in evaluated:
             # Before the final wave: its rewards may enqueue one more step, whose swap would
             # then serve part of the evaluation.
-            await _evaluate_and_report(url, run, cfg, evals)
+            await _evaluate_and_report(url, run, cfg, admin, evals)
         if not converged:  # measure the last version too; a converged loop just measured it
             final = await run_wave(url, run, cfg, rng)
             rewards = final.rewards

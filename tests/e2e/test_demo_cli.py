@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,22 @@ def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
     assert all(0.0 <= s["reward_mean"] <= 1.0 for s in summary["steps"])
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step   0 | sampled by v0" in proc.stdout
+
+    # Held-out reward through /eval at version 0, every third version and the final one, each
+    # the gateway's figure over all 8 held-out problems (greedy, so every reply is scored).
+    final = steps[-1]["version"]
+    held = summary["eval"]
+    assert [e["version"] for e in held] == sorted({0, final, *range(3, final + 1, 3)}), held
+    assert all(e["episodes"] == 8 and 0.0 <= e["mean_reward"] <= 1.0 for e in held), held
+    for e in held:
+        assert f"held-out v{e['version']}: reward {e['mean_reward']:.3f}" in proc.stdout
+    # The store holds them as evaluation episodes, rewarded and never in a train step.
+    conn = sqlite3.connect(f"file:{out / 'state' / 'rlgate.db'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT status, COUNT(*), COUNT(reward), COUNT(train_step) FROM episodes "
+            "WHERE id LIKE 'eval-%' GROUP BY status"
+        ).fetchall()
+    finally:
+        conn.close()
+    assert rows == [("eval", 8 * len(held), 8 * len(held), 0)], rows
