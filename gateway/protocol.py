@@ -299,7 +299,8 @@ class SampleState(BaseModel):
 
     state: open (waiting for its reward), waiting (its group is incomplete),
     ready (waits for a step), queued or trained (at `step`), stale,
-    skipped_zero_variance or dropped_incomplete (never trains), expired.
+    skipped_zero_variance or dropped_incomplete (never trains), expired, eval (held out:
+    scored, never trained).
     """
 
     id: str

@@ -45,6 +45,7 @@ _PRIORITY = (
     "waiting",
     "open",
     "expired",
+    "eval",
 )
 
 
@@ -136,6 +137,8 @@ class _Judge:
         self.expired = set(decision.expired)
 
     def state(self, ep: Episode) -> str:
+        if ep.status == EpisodeStatus.EVAL:
+            return "eval"  # held out: scored, never trained
         if ep.status in (EpisodeStatus.QUEUED, EpisodeStatus.TRAINED):
             return str(ep.status)
         if ep.status == EpisodeStatus.DROPPED:

@@ -142,6 +142,7 @@ def test_rewards_score_evaluation_episodes_without_moving_them(full) -> None:
     ack = http.post("/v1/rewards", json={"episode_id": "scored", "reward": 0.25})
     assert ack.status_code == 200, ack.text
     assert ack.json()["episode_status"] == "eval"
+    assert ack.json()["progress"]["episode"]["state"] == "eval"
     again = http.post("/v1/rewards", json={"episode_id": "scored", "reward": 0.75})
     assert again.status_code == 200, again.text
     detail = admin.get(f"/admin/v1/runs/{run['run_id']}/episodes/scored").json()
