@@ -22,6 +22,7 @@ from core.store.runs import active_run_ids, claim_signature, lock_run_for_claim
 from core.store.status import StepStatus
 from core.store.steps import delete_step, step_busy, step_in_flight
 from gateway.control.batch_policy import BatchConfig, BatchDecision, Verdict, select_batch
+from gateway.control.eval_retention import EvalRetention
 from gateway.control.leader import AdvisoryLockLeader, SoleLeader
 from trainer.config import RunConfig
 from trainer.submit import submit_train_step
@@ -76,6 +77,8 @@ class TrainingScheduler:
         # run -> (signature, when, until) of a dry pass: skip passes until `until` (monotonic)
         self._idle: dict[str, tuple[tuple, float, float]] = {}
         self.full_passes = 0  # a figure for tests: passes that read the whole batch
+        # evaluation episodes past their run's retention, deleted now and then by the leader
+        self.eval_retention = EvalRetention(sessions)
 
     async def maybe_schedule(self, run_id: str) -> int | None:
         if not self.leader.is_leader:
@@ -210,10 +213,17 @@ class TrainingScheduler:
             return await active_run_ids(s)
 
     async def schedule_once(self) -> None:
-        """One pass: every active run gets a step if a batch is ready (the leader only)."""
+        """One pass: every active run gets a step if a batch is ready; evaluation episodes
+        past retention are deleted when that is due (the leader only)."""
         if self.leader.is_leader:
             for run_id in await self.active_runs():
                 await self.maybe_schedule(run_id)
+            try:
+                await self.eval_retention.maybe_prune()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never holds a step back; tried again at the next due pass
+                logger.exception("evaluation retention pass failed")
 
     async def run_forever(self, interval_s: float) -> None:
         while True:
