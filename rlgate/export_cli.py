@@ -42,6 +42,8 @@ def run_export(args: argparse.Namespace) -> int:
         Path(args.out),
         status=args.status,
         min_version=args.min_version,
+        # a parser without `--split` exports what `rlgate export` always did: training episodes
+        split=getattr(args, "split", None) or "train",
     )
 
 
@@ -54,9 +56,11 @@ def export(
     *,
     status: str | None = None,
     min_version: int | None = None,
+    split: str = "train",
 ) -> int:
-    """Write the export to `out`; return the exit code (1 with a message on stderr on failure)."""
-    params: dict[str, str | int] = {"format": fmt}
+    """Write the export of one split (`train`: training episodes, `eval`: evaluation ones) to
+    `out`; return the exit code (1 with a message on stderr on failure)."""
+    params: dict[str, str | int] = {"format": fmt, "split": split}
     if status is not None:
         params["status"] = status
     if min_version is not None:

@@ -14,6 +14,11 @@ A completion's `policy_version` is its oldest token's version; `version_starts`
 says where each later version began when a keep-mode swap happened while it
 was sampled (null when every token is `policy_version`'s), the same in both
 formats.
+
+Every export is of one split: `train` (the default) holds the training episodes,
+whatever their status, and never an evaluation episode; `eval` holds only the
+evaluation episodes (`EpisodeStatus.EVAL`, sampled under `/eval`). Records of
+both have the same shape, and each says its `split`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from core.store.models import Completion, Episode, as_utc
 from core.store.status import EpisodeStatus
 
 ExportFormat = Literal["jsonl", "parquet"]
+ExportSplit = Literal["train", "eval"]
 
 JSONL_MEDIA_TYPE = "application/x-ndjson"
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
@@ -70,6 +76,7 @@ PARQUET_SCHEMA = pa.schema(
         ("episode_id", pa.string()),
         ("group_id", pa.string()),
         ("status", pa.string()),
+        ("split", pa.string()),  # "train" or "eval"
         ("reward", pa.float64()),
         ("train_step", pa.int64()),
         ("created_at", _TIMESTAMP),
@@ -85,6 +92,24 @@ class ExportFilter:
     status: EpisodeStatus | None = None
     # Only episodes all of whose completions were sampled by this policy version or a later one.
     min_version: int | None = None
+    split: ExportSplit = "train"
+
+    def status_query(self) -> tuple[bool, EpisodeStatus | None]:
+        """(whether any episode can match, the status to select in the store).
+
+        An evaluation episode's status is `eval` for life, so the eval split is that
+        status, and a status filter that names another one matches nothing there.
+        """
+        if self.split == "eval":
+            return self.status in (None, EpisodeStatus.EVAL), EpisodeStatus.EVAL
+        return self.status != EpisodeStatus.EVAL, self.status
+
+    def admits(self, ep: Episode) -> bool:
+        return episode_split(ep) == self.split
+
+
+def episode_split(ep: Episode) -> ExportSplit:
+    return "eval" if ep.status == EpisodeStatus.EVAL else "train"
 
 
 def completion_record(c: Completion) -> dict[str, Any]:
@@ -113,6 +138,7 @@ def episode_record(ep: Episode, completions: list[Completion]) -> dict[str, Any]
         "episode_id": ep.id,
         "group_id": ep.group_id,
         "status": ep.status,
+        "split": episode_split(ep),
         "reward": ep.reward,
         "train_step": ep.train_step,
         "created_at": as_utc(ep.created_at),
@@ -126,27 +152,37 @@ class ExportService:
         self.page_size = page_size
 
     async def pages(self, run_id: str, filt: ExportFilter) -> AsyncIterator[list[dict[str, Any]]]:
-        """Episode records of a run, oldest first, `page_size` at a time."""
+        """Episode records of a run's split, oldest first, at most `page_size` at a time.
+
+        The train split without a status filter reads the store's pages whole and
+        leaves out their evaluation episodes, so a page may be short (never empty).
+        """
+        any_match, status = filt.status_query()
+        if not any_match:
+            return
         after: tuple[datetime, str] | None = None
         while True:
             async with self.sessions() as s:
-                episodes = await episode_page(
+                page = await episode_page(
                     s,
                     run_id,
                     limit=self.page_size,
                     after=after,
-                    status=filt.status,
+                    status=status,
                     min_version=filt.min_version,
                 )
-                if not episodes:
+                if not page:
                     return
+                episodes = [e for e in page if filt.admits(e)]
                 by_episode: dict[str, list[Completion]] = defaultdict(list)
-                for c in await episode_completions(s, run_id, [e.id for e in episodes]):
-                    by_episode[c.episode_id].append(c)
-            yield [episode_record(e, by_episode[e.id]) for e in episodes]
-            if len(episodes) < self.page_size:
+                if episodes:
+                    for c in await episode_completions(s, run_id, [e.id for e in episodes]):
+                        by_episode[c.episode_id].append(c)
+            if episodes:
+                yield [episode_record(e, by_episode[e.id]) for e in episodes]
+            if len(page) < self.page_size:
                 return
-            after = (episodes[-1].created_at, episodes[-1].id)
+            after = (page[-1].created_at, page[-1].id)
 
     async def jsonl(self, run_id: str, filt: ExportFilter) -> AsyncIterator[bytes]:
         """One JSON object per line per episode; one chunk per page."""

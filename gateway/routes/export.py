@@ -17,6 +17,7 @@ from gateway.admin.export import (
     ExportFilter,
     ExportFormat,
     ExportService,
+    ExportSplit,
 )
 from gateway.deps import AdminDep
 from gateway.scratch import ScratchStreamingResponse, remover
@@ -38,16 +39,19 @@ async def export_run(
     status: Annotated[EpisodeStatus | None, Query()] = None,
     # versions are 32-bit integers in the store: a larger bound is a 400, not a driver error
     min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    # train: every training episode, no evaluation one; eval: only the evaluation episodes
+    split: Annotated[ExportSplit, Query()] = "train",
 ) -> StreamingResponse:
-    """One record per episode, oldest first; see docs/export.md for the schema."""
+    """One record per episode of the split, oldest first; see docs/export.md for the schema."""
     await request.app.state.runs.get(run_id)  # a 404 must come before the first byte
     service = ExportService(request.app.state.sessions)
-    filt = ExportFilter(status=status, min_version=min_version)
+    filt = ExportFilter(status=status, min_version=min_version, split=split)
+    name = run_id if split == "train" else f"{run_id}-eval"
     if fmt == "jsonl":
         return StreamingResponse(
             service.jsonl(run_id, filt),
             media_type=JSONL_MEDIA_TYPE,
-            headers={"Content-Disposition": f'attachment; filename="{run_id}.jsonl"'},
+            headers={"Content-Disposition": f'attachment; filename="{name}.jsonl"'},
         )
     # Parquet's footer comes last, so the file is built whole before the answer starts;
     # it is removed when the answer ends, even if the client left before its first byte.
@@ -57,7 +61,7 @@ async def export_run(
         cleanup=remover(path),
         media_type=PARQUET_MEDIA_TYPE,
         headers={
-            "Content-Disposition": f'attachment; filename="{run_id}.parquet"',
+            "Content-Disposition": f'attachment; filename="{name}.parquet"',
             "Content-Length": str(os.path.getsize(path)),
         },
     )
