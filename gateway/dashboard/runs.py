@@ -84,7 +84,7 @@ async def runs_feed(request: Request, base_url: AgentBaseUrlDep) -> JSONResponse
 
 @router.get("/api/runs/{run_id}/live", dependencies=[FeedSessionDep])
 async def run_feed(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> JSONResponse:
-    """What the run page polls: status, versions, metric series, counters."""
+    """What the run page polls: status, versions, metric series, counters, held-out figures."""
     st = request.app.state
     run = (await st.runs.public(await st.runs.get(run_id), base_url)).model_dump()
     series = await st.metrics_admin.series(run_id)
@@ -96,6 +96,8 @@ async def run_feed(run_id: str, request: Request, base_url: AgentBaseUrlDep) -> 
             "metrics": series.model_dump(),
             "versions": [v.model_dump() for v in versions],
             "counters": counters.model_dump(),
+            # the held-out chart: what GET /admin/v1/runs/{id}/evals answers
+            "evals": (await st.eval_admin.figures(run_id)).model_dump(),
         },
         headers=SECURITY_HEADERS,
     )

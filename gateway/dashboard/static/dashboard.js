@@ -1,4 +1,5 @@
-/* Dashboard pages: the runs table (sort, select to compare), a run's charts, the compare view. */
+/* Dashboard pages: the runs table (sort, select to compare), a run's charts (training and
+ * held-out), the compare view. */
 (function () {
   "use strict";
   const POLL_MS = 3000;
@@ -38,6 +39,7 @@
       setText("run-version", feed.run.current_version);
       setText("run-served", feed.run.served_version);
       showSinkErrors(feed.versions);
+      RLEvals.draw(section.querySelector("figure.evals"), [{ label: feed.run.name, evals: feed.evals }]);
       return [asRun(feed, null)];
     });
   }
@@ -46,6 +48,8 @@
     const runs = JSON.parse(section.dataset.runs || "[]");  // [{run_id, label, color}]
     RLPanel.start(section, async () => {
       const feeds = await Promise.all(runs.map((r) => fetchJSON(feedUrl(r.run_id))));
+      RLEvals.draw(section.querySelector("figure.evals"), feeds.map((feed, i) => (
+        { label: runs[i].label, color: runs[i].color, evals: feed.evals })));
       return feeds.map((feed, i) => ({ ...asRun(feed, runs[i].label), color: runs[i].color }));
     });
   }
