@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sqlite3
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -100,3 +104,73 @@ def test_token_versions_example(env) -> None:
     assert out.returncode == 0, out.stderr
     assert "versions: from token 0: v0" in out.stdout
     assert "streamed versions: from token 0: v0" in out.stdout
+
+
+@pytest.mark.slow
+def test_eval_agent_example(tmp_path: Path, tiny_model_dir: Path, model_cache_dir: Path) -> None:
+    """The example trains through the run's base_url and evaluates through /eval on a stack with
+    a worker; the held-out figures it prints are the store's evaluation episodes, recomputed
+    per version, and none of those episodes was trained on."""
+    from rlgate.stack import embedded_stack
+    from tests.conftest import ADMIN_KEY, gateway_settings
+
+    settings = gateway_settings(tmp_path / "data", model_cache_dir)
+    args = ["--versions", "2", "--eval-every", "1", "--group-size", "2", "--max-groups", "40"]
+    with embedded_stack(settings, "127.0.0.1", 0, tmp_path / "logs") as url:
+        r = httpx.post(  # one group of two trains a version: v2 comes in a few groups
+            url + "/admin/v1/runs",
+            json={
+                "name": "eval-example",
+                "model": "tiny",
+                "config": {"group_size": 2, "groups_per_step": 1},
+            },
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=60,
+        )
+        assert r.status_code == 201, r.text
+        run = r.json()
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLES / "eval_agent.py"), *args],
+            env=dict(
+                os.environ,
+                RLGATE_BASE_URL=run["base_url"],
+                RLGATE_API_KEY=run["api_key"],
+                RLGATE_MODEL=run["name"],
+                RLGATE_ADMIN_KEY=ADMIN_KEY,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert [line for line in out.stdout.splitlines() if line.startswith("evaluated")] == [
+            "evaluated v0",
+            "evaluated v1",
+            "evaluated v2",
+        ], out.stdout
+        conn = sqlite3.connect(f"file:{settings.data_dir / 'rlgate.db'}?mode=ro", uri=True)
+        try:
+            episodes = conn.execute(
+                "SELECT e.id, e.status, e.reward, e.train_step, c.policy_version, "
+                "c.version_starts FROM episodes e JOIN completions c "
+                "ON c.run_id = e.run_id AND c.episode_id = e.id "
+                "WHERE e.run_id = ? AND e.id LIKE 'eval-%'",
+                (run["run_id"],),
+            ).fetchall()
+        finally:
+            conn.close()
+    assert len(episodes) == 3 * 8  # three evaluations of the 8 held-out problems, one call each
+    assert {(status, train_step) for _, status, _, train_step, _, _ in episodes} == {("eval", None)}
+    by_version: dict[int, list[float]] = {}
+    for _, _, reward, _, version, starts in episodes:
+        if starts is None:  # one version sampled the whole reply; otherwise it spans a swap
+            by_version.setdefault(version, []).append(reward)
+    assert 0 in by_version and max(by_version) >= 1, by_version
+    printed = [line for line in out.stdout.splitlines() if line.startswith("held-out v")]
+    expected = []
+    for version, rewards in sorted(by_version.items()):
+        n, mean = len(rewards), statistics.fmean(rewards)
+        stderr = statistics.stdev(rewards) / math.sqrt(n) if n > 1 else None
+        spread = f" ± {stderr:.3f}" if stderr is not None else ""
+        expected.append(f"held-out v{version}: reward {mean:.3f}{spread} over {n} episodes")
+    assert printed == expected, out.stdout
