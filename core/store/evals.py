@@ -44,7 +44,7 @@ class EvalFigures:
     stderr: float | None  # sample std / sqrt(n); None when episodes < 2
 
 
-def _episodes(run_id: str) -> Select[Any]:
+def _episodes(run_id: str) -> Select[str, float | None]:
     return select(Episode.id, Episode.reward).where(
         Episode.run_id == run_id, Episode.status == EpisodeStatus.EVAL
     )
