@@ -143,11 +143,9 @@ def test_eval_agent_example(tmp_path: Path, tiny_model_dir: Path, model_cache_di
             timeout=300,
         )
         assert out.returncode == 0, out.stdout + out.stderr
-        assert [line for line in out.stdout.splitlines() if line.startswith("evaluated")] == [
-            "evaluated v0",
-            "evaluated v1",
-            "evaluated v2",
-        ], out.stdout
+        # Training goes on while it evaluates, so a version may pass unevaluated; v0 never does.
+        evaluated = [line for line in out.stdout.splitlines() if line.startswith("evaluated v")]
+        assert evaluated[0] == "evaluated v0" and len(evaluated) >= 2, out.stdout
         conn = sqlite3.connect(f"file:{settings.data_dir / 'rlgate.db'}?mode=ro", uri=True)
         try:
             episodes = conn.execute(
@@ -159,7 +157,7 @@ def test_eval_agent_example(tmp_path: Path, tiny_model_dir: Path, model_cache_di
             ).fetchall()
         finally:
             conn.close()
-    assert len(episodes) == 3 * 8  # three evaluations of the 8 held-out problems, one call each
+    assert len(episodes) == 8 * len(evaluated)  # the 8 held-out problems, one call each
     assert {(status, train_step) for _, status, _, train_step, _, _ in episodes} == {("eval", None)}
     by_version: dict[int, list[float]] = {}
     for _, _, reward, _, version, starts in episodes:
