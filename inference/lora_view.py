@@ -24,10 +24,21 @@ class AdapterView:
 
     `owns_backend`: close the backend with the view (a backend of its own, e.g. a
     remote run's replica set); a shared base is released by its owner instead.
+    `base_until_loaded`: while adapter `name` is not loaded, requests sample the base
+    model (a run at version 0); False: they name the adapter anyway and fail, for a
+    view that must never answer from other weights (a pinned version).
     """
 
-    def __init__(self, backend: AdapterBackend, name: str, *, owns_backend: bool = False) -> None:
+    def __init__(
+        self,
+        backend: AdapterBackend,
+        name: str,
+        *,
+        owns_backend: bool = False,
+        base_until_loaded: bool = True,
+    ) -> None:
         self.backend, self.name, self.owns_backend = backend, name, owns_backend
+        self.base_until_loaded = base_until_loaded
 
     @property
     def version(self) -> int:
@@ -40,7 +51,8 @@ class AdapterView:
 
     def _route(self, request: GenerateRequest) -> GenerateRequest:
         loaded = self.backend.adapter_version(self.name) is not None
-        return dataclasses.replace(request, adapter=self.name if loaded else None)
+        named = loaded or not self.base_until_loaded
+        return dataclasses.replace(request, adapter=self.name if named else None)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await self.backend.generate(self._route(request))

@@ -238,12 +238,13 @@ class BackendPool:
         adapter): on the shared base in-process, on the run's servers for a remote run."""
         if not registry.get(backend).remote:
             name = pinned_adapter_name(run_id, version)
-            return await self._load_lora(name, model_dir, backend, version, ckpt)
+            return await self._load_lora(name, model_dir, backend, version, ckpt, pinned=True)
         run = self._serving.get(run_id) or await self._load_current(run_id, model_dir, backend)
         if run.replicas is None:
             raise OSError(f"run {run_id} has no servers loaded to pin a version on")
         name = pinned_adapter_name(run_id, version, self._pin_tag)
-        view = AdapterView(run.replicas, name)
+        # a pin whose adapter is gone (no replica has it) fails; never the base's answer
+        view = AdapterView(run.replicas, name, base_until_loaded=version == 0)
         if version > 0 and ckpt is not None:
             if not ckpt.is_dir():
                 raise OSError(f"adapter {ckpt} of version {version} is missing")
@@ -305,9 +306,17 @@ class BackendPool:
         """Raise if this pool may not serve runs of kind `backend` (any kind here)."""
 
     async def _load_lora(
-        self, run_id: str, model_dir: Path, backend: str, version: int, ckpt: Path | None
+        self,
+        run_id: str,
+        model_dir: Path,
+        backend: str,
+        version: int,
+        ckpt: Path | None,
+        *,
+        pinned: bool = False,
     ) -> RunServing:
-        """The run's view on the shared base of (`backend`, `model_dir`), loaded if first."""
+        """The run's view on the shared base of (`backend`, `model_dir`), loaded if first.
+        `pinned`: a pinned version's view (`run_id` is its adapter name), see `_adapter_view`."""
         key = (backend, model_dir.resolve())
         async with self._locks.setdefault(f"base:{key}", asyncio.Lock()):
             base = self._bases.get(key)
@@ -319,7 +328,9 @@ class BackendPool:
                 base = self._bases[key] = SharedBase(serving, set())
             base.runs.add(run_id)
         try:
-            return await self._adapter_view(run_id, base.serving, version, ckpt, shared=True)
+            return await self._adapter_view(
+                run_id, base.serving, version, ckpt, shared=True, pinned=pinned
+            )
         except BaseException:
             await self._release_base(run_id)
             raise
@@ -332,13 +343,20 @@ class BackendPool:
         ckpt: Path | None,
         *,
         shared: bool = False,
+        pinned: bool = False,
     ) -> RunServing:
         """`serving` seen by one LoRA run: its adapter (version > 0) loaded, its requests
-        routed to it."""
+        routed to it. `pinned`: a pinned version's, whose requests fail rather than sample
+        the base model once its adapter is unloaded (released while a call held it)."""
         if not isinstance(serving.backend, AdapterBackend):
             await serving.backend.close()
             raise ValueError(f"run {run_id}: its backend cannot serve LoRA adapters")
-        view = AdapterView(serving.backend, run_id, owns_backend=not shared)
+        view = AdapterView(
+            serving.backend,
+            run_id,
+            owns_backend=not shared,
+            base_until_loaded=not pinned or version == 0,
+        )
         if version > 0 and ckpt is not None:
             if not ckpt.is_dir():
                 raise OSError(f"adapter {ckpt} of version {version} is missing")

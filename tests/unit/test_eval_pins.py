@@ -16,6 +16,7 @@ import torch
 
 from gateway.control import backends
 from gateway.control.backends import BackendPool, PinUnsupported, RunServing
+from inference.backend import BackendError
 from inference.types import GenerateRequest, SamplingParams
 from tests.unit.test_lora_pool import _trained_adapter
 from trainer.batch import Sample
@@ -155,6 +156,8 @@ async def test_a_lora_pin_is_its_own_adapter_on_the_shared_base(
         await pool.pinned("other", tiny_model_dir, "local", 1, adapter_v1, lora=True)
         assert pool.pinned_versions() == {"run": [0], "other": [1]}  # run@v1: least recent
         assert base.adapter_version("run@v1") is None
+        with pytest.raises(BackendError, match="not loaded"):  # never the base's answer
+            await _greedy(pin1)
 
         await pool.unload("run")
         await pool.unload("other")
