@@ -7,7 +7,12 @@ W&B and MLflow (`trainer.tracker_sinks`), per worker and per run
 (`RunConfig.tracking`, whose fields win over the worker's when set).
 
 Sinks see a step only after it is committed, so a sink never changes what
-trained or which version exists. A sink that fails (its package missing, its
+trained or which version exists. Held-out figures (evaluation episodes scored
+per version, `core.store.evals`) reach the same sinks through `log_eval`, one
+point per version at x = that version: the trainer logs, after each step it
+commits, the versions whose figures changed since it last logged them
+(`trainer.eval_metrics`), because evaluation rewards arrive after the step
+that made the version. A sink that fails (its package missing, its
 server away, a bug) is logged and counted: `MetricsSinks.log` returns the
 number that failed and the trainer stores it in the step's metrics as
 `sink_errors`. The step stays done.
@@ -18,11 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from core.config import MetricsSinkConfig
+from core.store.evals import EvalFigures
 from trainer.config import TrackingConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,12 @@ class MetricsSink(Protocol):
     ) -> None:
         """One point per train step, at x = the version it produced."""
 
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures], wall_time: float) -> None:
+        """Held-out figures, one point per version (each has one), at x = that version.
+
+        A version's figures change as rewards arrive: it is logged again at the same x,
+        and its newest point is the current one."""
+
     def close(self) -> None: ...
 
 
@@ -58,8 +71,17 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def eval_scalars(point: EvalFigures) -> dict[str, float]:
+    """A version's held-out figures by their bare names (`stderr` only where defined)."""
+    values = {"episodes": float(point.episodes), "mean_reward": point.mean_reward}
+    if point.stderr is not None:
+        values["stderr"] = point.stderr
+    return values
+
+
 class JsonlSink:
-    """`{dir}/{run_id}/metrics.jsonl`: one object per step, appended and flushed."""
+    """`{dir}/{run_id}/metrics.jsonl`: one object per step; `evals.jsonl`: one per held-out
+    point; appended and flushed."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -72,6 +94,15 @@ class JsonlSink:
         line = json.dumps({"version": version, "time": wall_time, **metrics})
         with (folder / "metrics.jsonl").open("a") as f:
             f.write(line + "\n")
+
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures], wall_time: float) -> None:
+        folder = self.root / run.id
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [
+            json.dumps({"version": p.version, "time": wall_time, **eval_scalars(p)}) for p in points
+        ]
+        with (folder / "evals.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
     def close(self) -> None:
         pass
@@ -90,12 +121,23 @@ class TensorBoardSink:
     def log(
         self, run: TrackedRun, version: int, metrics: dict[str, float], wall_time: float
     ) -> None:
-        if run.id not in self.writers:
-            self.writers[run.id] = self._writer_cls(log_dir=str(self.root / run.id))
-        writer = self.writers[run.id]
+        writer = self._writer(run)
         for name, value in metrics.items():
             writer.add_scalar(f"train/{name}", value, global_step=version, walltime=wall_time)
         writer.flush()
+
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures], wall_time: float) -> None:
+        """Tagged `eval/<name>`, step = the version."""
+        writer = self._writer(run)
+        for p in points:
+            for name, value in eval_scalars(p).items():
+                writer.add_scalar(f"eval/{name}", value, global_step=p.version, walltime=wall_time)
+        writer.flush()
+
+    def _writer(self, run: TrackedRun) -> Any:
+        if run.id not in self.writers:
+            self.writers[run.id] = self._writer_cls(log_dir=str(self.root / run.id))
+        return self.writers[run.id]
 
     def close(self) -> None:
         for writer in self.writers.values():
@@ -130,7 +172,22 @@ class MetricsSinks:
 
     def log(self, run: TrackedRun, version: int, metrics: dict[str, Any]) -> int:
         """Write one step everywhere it goes; returns how many sinks failed (0: all wrote it)."""
-        values, now, failed = scalars(metrics), time.time(), 0
+        values, now = scalars(metrics), time.time()
+        return self._each(run, lambda sink: sink.log(run, version, values, now))
+
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures]) -> int:
+        """Write held-out points (versioned rows only) everywhere the run's steps go;
+        returns how many sinks failed."""
+        now = time.time()
+        return self._each(run, lambda sink: sink.log_eval(run, points, now))
+
+    def wanted(self, run: TrackedRun) -> bool:
+        """Whether anything at all logs this run (else nothing need be read for it)."""
+        return bool(self.sinks or trackers_for(run.tracking, self.cfg))
+
+    def _each(self, run: TrackedRun, write: Callable[[MetricsSink], None]) -> int:
+        """`write` on the run's trackers, then on the worker's sinks; how many failed."""
+        failed = 0
         for name in trackers_for(run.tracking, self.cfg):
             try:
                 sink = self._tracker(name)
@@ -142,9 +199,9 @@ class MetricsSinks:
                 logger.exception("metrics sink %s could not start for run %s", name, run.id)
                 failed += 1
                 continue
-            failed += not self._write(sink, run, version, values, now)
+            failed += not self._write(sink, run, write)
         for sink in self.sinks:
-            failed += not self._write(sink, run, version, values, now)
+            failed += not self._write(sink, run, write)
         return failed
 
     def close(self) -> None:
@@ -163,11 +220,9 @@ class MetricsSinks:
         return self.trackers[name]
 
     @staticmethod
-    def _write(
-        sink: MetricsSink, run: TrackedRun, version: int, values: dict[str, float], now: float
-    ) -> bool:
+    def _write(sink: MetricsSink, run: TrackedRun, write: Callable[[MetricsSink], None]) -> bool:
         try:
-            sink.log(run, version, values, now)
+            write(sink)
         except Exception:
             logger.exception("metrics sink %s failed for run %s", type(sink).__name__, run.id)
             return False

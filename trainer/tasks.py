@@ -42,6 +42,7 @@ from trainer.batch import Sample, load_step_samples
 from trainer.celery_app import TRAIN_STEP_TASK
 from trainer.config import RunConfig
 from trainer.engine_check import EngineUnavailable, engine_unavailable
+from trainer.eval_metrics import log_eval_figures
 from trainer.metrics_sinks import TrackedRun, make_sinks
 from trainer.resident_pool import ResidentPool
 from trainer.sequences import AssemblyStats
@@ -81,6 +82,7 @@ class Trainer:
         # run -> the checkpoint directory of the attempt in progress in this worker
         self.pending: dict[str, Path] = {}
         self.sinks = make_sinks(settings.metrics_sinks())  # optional JSONL/TB/W&B/MLflow
+        self.tracked: dict[str, TrackedRun] = {}  # runs this worker trained: held-out at close
         # weight_sync: when checkpoints are written; collective: the newest weights, offered
         weights = StepWeights(host=settings.weight_sync_host, secret=settings.weight_sync_secret)
         weights.watch(self._run_active)
@@ -153,7 +155,10 @@ class Trainer:
         self._prune(run_id, step + 1, cfg.keep_checkpoints)
         logger.info("run %s step %d -> version %d in %.1fs", run_id, step, step + 1, duration)
         # after the commit: trackers only ever see a step that counted, and never fail it
-        if failed := self.sinks.log(prepared.tracked, step + 1, logged | {"duration_s": duration}):
+        failed = self.sinks.log(prepared.tracked, step + 1, logged | {"duration_s": duration})
+        # then the held-out figures that changed since they were last logged, any version
+        self.tracked[run_id] = prepared.tracked
+        if failed := failed + self._log_evals(prepared.tracked):
             self._record_sink_errors(run_id, step, failed)
         return {"run_id": run_id, "step": step, "version": step + 1, "loss": metrics["loss"]}
 
@@ -253,11 +258,23 @@ class Trainer:
         self.resident.discard(run_id)
 
     def close(self) -> None:
-        """Worker shutdown: release every resident group, save what is unsaved, then close
-        the trackers."""
+        """Worker shutdown: release every resident group, save what is unsaved, log the
+        held-out figures that changed since each run's last step here, then close the
+        trackers."""
         self.resident.close()
         self.in_process.close()
+        for tracked in self.tracked.values():  # rewards posted since the run's last step
+            self._log_evals(tracked)
         self.sinks.close()
+
+    def _log_evals(self, tracked: TrackedRun) -> int:
+        """The run's changed held-out figures to the sinks (`trainer.eval_metrics`); how many
+        sinks failed, a failure to read or remember them counting as one. Never raises."""
+        try:
+            return log_eval_figures(self.sessions, self.sinks, tracked)
+        except Exception:
+            logger.exception("logging the held-out figures of run %s failed", tracked.id)
+            return 1
 
     def _record_sink_errors(self, run_id: str, step: int, failed: int) -> None:
         """`sink_errors` into a done step's metrics; the step stays done whatever happens here."""

@@ -4,8 +4,9 @@ Both keep one tracker run per rlgate run open for the life of the worker and
 log its config once, when they open it. A restarted worker (or another one)
 finds the same tracker run again instead of starting a second: W&B by its run
 id, which is the rlgate run id (`resume="allow"`); MLflow by the
-`rlgate.run_id` tag on the run. Every point is at step = the version the
-train step produced. Their packages are optional extras (`rlgate[wandb]`,
+`rlgate.run_id` tag on the run. Every step's point is at step = the version the
+train step produced; a held-out point at step = the version it scores (W&B: in
+a companion run, see `WandbSink`). Their packages are optional extras (`rlgate[wandb]`,
 `rlgate[mlflow]`), imported only when a run asks for them.
 """
 
@@ -16,12 +17,21 @@ import logging
 import os
 from typing import Any
 
-from trainer.metrics_sinks import DEFAULT_PROJECT, MetricsSink, MetricsSinkConfig, TrackedRun
+from core.store.evals import EvalFigures
+from trainer.metrics_sinks import (
+    DEFAULT_PROJECT,
+    MetricsSink,
+    MetricsSinkConfig,
+    TrackedRun,
+    eval_scalars,
+)
 
 logger = logging.getLogger(__name__)
 
 MLFLOW_RUN_TAG = "rlgate.run_id"
+WANDB_EVAL_SUFFIX = "-eval"  # the W&B id of a run's held-out companion: <run_id>-eval
 MLFLOW_BATCH_PARAMS = 100  # MLflow's limit per log_batch call
+MLFLOW_BATCH_METRICS = 1000  # likewise for metrics
 # MLflow's HTTP client retries 7 times with a 120 s timeout by default: a tracking server
 # that is down would hold the worker for minutes after every step. rlgate's defaults bound
 # that to about half a minute; a value the worker's environment sets wins.
@@ -69,12 +79,20 @@ class WandbSink:
     Offline (`WANDB_MODE=offline`) each worker process that opens the run writes
     its own `offline-run-*-{run_id}` directory; `wandb sync` uploads them all to
     the one W&B run, whose steps are the versions.
+
+    Held-out points go to a companion W&B run, id `<run_id>-eval`, in the same
+    group (the rlgate run id): W&B's step only ever increases, and the train run's
+    step is the version, so a point for an older version (its figures revised
+    after later steps) has no place there. In the companion each point is a row of
+    its own with `eval/version`, the x axis of every `eval/*` chart
+    (`define_metric`).
     """
 
     def __init__(self, default_project: str | None) -> None:
         self.wandb = _require("wandb", "wandb")
         self.default_project = default_project or DEFAULT_PROJECT
         self.runs: dict[str, Any] = {}
+        self.eval_runs: dict[str, Any] = {}
 
     def log(
         self, run: TrackedRun, version: int, metrics: dict[str, float], wall_time: float
@@ -82,25 +100,40 @@ class WandbSink:
         handle = self.runs.get(run.id) or self._open(run)
         handle.log({f"train/{k}": v for k, v in metrics.items()}, step=version)
 
-    def _open(self, run: TrackedRun) -> Any:
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures], wall_time: float) -> None:
+        handle = self.eval_runs.get(run.id) or self._open(run, evaluation=True)
+        for p in points:
+            values = {f"eval/{k}": v for k, v in eval_scalars(p).items()}
+            handle.log({"eval/version": p.version, **values})
+
+    def _open(self, run: TrackedRun, evaluation: bool = False) -> Any:
+        suffix, kind = (WANDB_EVAL_SUFFIX, "eval") if evaluation else ("", "train")
         handle = self.wandb.init(
             project=run.tracking.wandb_project or self.default_project,
-            id=run.id,
-            name=run.name or run.id,
+            id=run.id + suffix,
+            name=(run.name or run.id) + suffix,
+            group=run.id,
+            job_type=kind,
             resume="allow",
             reinit="create_new",  # a worker trains several runs: one W&B run each, side by side
             config=tracked_config(run),
             # the worker's own output stays in its log, not in W&B's console capture
             settings=self.wandb.Settings(console="off", silent=True),
         )
-        self.runs[run.id] = handle
-        logger.info("run %s logs to W&B project %s", run.id, handle.project)
+        if evaluation:
+            handle.define_metric("eval/version")
+            handle.define_metric("eval/*", step_metric="eval/version")
+            self.eval_runs[run.id] = handle
+        else:
+            self.runs[run.id] = handle
+        logger.info("run %s logs %s to W&B project %s", run.id, kind, handle.project)
         return handle
 
     def close(self) -> None:
-        for handle in self.runs.values():
+        for handle in [*self.runs.values(), *self.eval_runs.values()]:
             handle.finish()
         self.runs.clear()
+        self.eval_runs.clear()
 
 
 class MlflowSink:
@@ -123,6 +156,18 @@ class MlflowSink:
         ms = int(wall_time * 1000)
         points = [self.entities.Metric(f"train/{k}", v, ms, version) for k, v in metrics.items()]
         self.client.log_batch(mlflow_run, metrics=points)
+
+    def log_eval(self, run: TrackedRun, points: list[EvalFigures], wall_time: float) -> None:
+        """In the run's own MLflow run: MLflow takes any step, in any order."""
+        mlflow_run = self.runs.get(run.id) or self._open(run)
+        ms = int(wall_time * 1000)
+        metrics = [
+            self.entities.Metric(f"eval/{k}", v, ms, p.version)
+            for p in points
+            for k, v in eval_scalars(p).items()
+        ]
+        for i in range(0, len(metrics), MLFLOW_BATCH_METRICS):
+            self.client.log_batch(mlflow_run, metrics=metrics[i : i + MLFLOW_BATCH_METRICS])
 
     def _open(self, run: TrackedRun) -> str:
         experiment = self._experiment(run.tracking.mlflow_experiment or self.default_experiment)
