@@ -85,7 +85,7 @@ async def episode_counts(session: AsyncSession) -> dict[tuple[str, str], int]:
     return {(r, st): int(n) for r, st, n in (await session.execute(stmt)).all()}
 
 
-EPISODE_KEYS = ("run_id", "id", "group_id", "status", "created_at")  # what a capture inserts
+EPISODE_KEYS = ("run_id", "id", "group_id", "status", "created_at", "held_out")  # a capture's
 
 
 @functools.cache
@@ -161,6 +161,7 @@ async def episode_page(
     min_tokens: int | None = None,
     max_tokens: int | None = None,
     drift: bool | None = None,
+    held_out: bool | None = None,
 ) -> list[Episode]:
     """One keyset page of a run's episodes in `(created_at, id)` order.
 
@@ -168,11 +169,14 @@ async def episode_page(
     `sampled_by`: a completion was sampled by that version; `min_version`:
     none was sampled by an older one. `min_tokens`/`max_tokens` bound the
     tokens sampled over all the episode's turns; `drift`: some turn (True) or
-    no turn (False) had template drift. Other filters are plain column bounds.
+    no turn (False) had template drift; `held_out`: evaluation (True) or training (False)
+    episodes only. Other filters are plain column bounds.
     """
     stmt: Select = select(Episode).where(Episode.run_id == run_id)
     if status is not None:
         stmt = stmt.where(Episode.status == status)
+    if held_out is not None:
+        stmt = stmt.where(Episode.held_out.is_(held_out))
     if group_id is not None:
         stmt = stmt.where(Episode.group_id == group_id)
     if min_tokens is not None:

@@ -61,9 +61,19 @@ def _locked_connection(url: str) -> Iterator[Connection]:
             if pg:
                 conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
                 conn.commit()  # the lock is the session's; Alembic opens its own transaction
+            else:
+                # SQLite rebuilds a table to alter it (batch mode): copy, drop, rename. With
+                # foreign keys on, dropping a parent table would cascade to its children's
+                # rows, so they are off while migrating (SQLite's own procedure for schema
+                # changes), and checked once it is done. The pragma is ignored inside a
+                # transaction: set before Alembic opens one.
+                conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                conn.commit()
             try:
                 yield conn
                 conn.commit()
+                if not pg:
+                    _check_foreign_keys(conn)
             finally:
                 if pg:
                     conn.rollback()
@@ -71,6 +81,14 @@ def _locked_connection(url: str) -> Iterator[Connection]:
                     conn.commit()
     finally:
         engine.dispose()
+
+
+def _check_foreign_keys(conn: Connection) -> None:
+    """Raise if a migration left a row whose foreign key points nowhere (SQLite)."""
+    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    conn.commit()
+    if broken:
+        raise RuntimeError(f"the migration broke {len(broken)} foreign key(s): {broken[:5]}")
 
 
 @contextlib.contextmanager

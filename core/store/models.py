@@ -21,6 +21,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -101,7 +102,11 @@ class Episode(Base):
     by the gateway (`ep-<hex>`), so they are unique per run only."""
 
     __tablename__ = "episodes"
-    __table_args__ = (Index("ix_episodes_run_status", "run_id", "status"),)
+    __table_args__ = (
+        Index("ix_episodes_run_status", "run_id", "status"),
+        # The key the completions' foreign key refers to: a completion's split is its episode's.
+        Index("uq_episodes_split", "run_id", "id", "held_out", unique=True),
+    )
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     id: Mapped[str] = mapped_column(String(100), primary_key=True)
@@ -115,13 +120,21 @@ class Episode(Base):
     verdict: Mapped[str | None] = mapped_column(String(30), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     rewarded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Held out (an `/eval` call opened it): served and scored, never trained; status "eval".
+    # Set when the episode is created and never changed.
+    held_out: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Completion(Base):
     __tablename__ = "completions"
     __table_args__ = (
+        # A completion is in its episode's split: the store refuses a training completion in
+        # a held-out episode and the reverse (migration 0010).
         ForeignKeyConstraint(
-            ["run_id", "episode_id"], ["episodes.run_id", "episodes.id"], ondelete="CASCADE"
+            ["run_id", "episode_id", "held_out"],
+            ["episodes.run_id", "episodes.id", "episodes.held_out"],
+            ondelete="CASCADE",
+            name="fk_completions_episode_split",
         ),
         Index("ix_completions_run_episode", "run_id", "episode_id"),
         Index("ix_completions_run_conv_hash", "run_id", "conv_hash"),
@@ -160,6 +173,7 @@ class Completion(Base):
     # Tool calls parsed from the sampled text (OpenAI's shape); the text stays in the ids.
     tool_calls: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     reasoning_content: Mapped[str | None] = mapped_column(Text, nullable=True)
+    held_out: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     @property
     def spans(self) -> list[tuple[int, int]]:

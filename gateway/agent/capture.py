@@ -46,10 +46,10 @@ from sqlalchemy.orm import make_transient
 from core.store.capture_pg import write_batch
 from core.store.completions import insert_completions
 from core.store.episodes import insert_episodes, reopen_rewarded
-from core.store.models import Completion, utcnow
+from core.store.models import Completion, Episode, utcnow
 from core.store.pg_driver import driver_connection, psycopg_engine
 from core.store.status import UNGROUPED, EpisodeStatus
-from gateway.errors import Unavailable
+from gateway.errors import Conflict, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def plan(
     now = utcnow()
     episodes = [
         {"run_id": run_id, "id": ep_id, "group_id": group_id or UNGROUPED,
-         "status": status, "created_at": now}
+         "status": status, "created_at": now, "held_out": status == EpisodeStatus.EVAL}
         for (run_id, ep_id), (group_id, status) in wanted.items()
     ]  # fmt: skip
     return episodes, known, [row for rows, _, _ in items for row in rows], now
@@ -279,12 +279,16 @@ class CaptureWriter:
             self.on_commit([row for it in batch for row in it.rows])
 
     async def _write_one(self, item: _Item) -> None:
-        """One transaction for one request; a race creating its episode is retried."""
+        """One transaction for one request; a race creating its episode is retried, a row
+        its episode's split refuses is a 409 (`split_conflict`)."""
         for attempt in range(self.retries):
             try:
                 await self._commit([item])
                 return
             except IntegrityError:
+                conflict = await self.split_conflict(item)
+                if conflict is not None:
+                    raise conflict from None
                 if attempt == self.retries - 1:
                     raise
             except Exception as exc:
@@ -292,6 +296,34 @@ class CaptureWriter:
                     self._outage = True
                     raise unavailable(exc) from exc
                 raise
+
+    async def split_conflict(self, item: _Item) -> Conflict | None:
+        """The 409 for a request whose rows name an episode of the other split (a training
+        call naming a held-out episode's id, or the reverse), which the store refused
+        (`completions.held_out` is part of their key to `episodes`); None otherwise.
+
+        Read only after a refused write: an evaluation call is checked before it samples
+        (`ChatService.place`), a training call is not, so that no new named training
+        conversation pays a read for it."""
+        held_out = item.status == EpisodeStatus.EVAL
+        keys = {(row.run_id, row.episode_id) for row in item.rows}
+        async with self.sessions() as s:
+            for run_id, episode_id in keys:
+                stored = await s.get(Episode, (run_id, episode_id))
+                if stored is not None and stored.held_out != held_out:
+                    return split_conflict(episode_id, evaluation=held_out)
+        return None
+
+
+def split_conflict(episode_id: str, *, evaluation: bool) -> Conflict:
+    """The 409 of a call that names an episode of the other split."""
+    split, other = ("evaluation", "training")[:: 1 if evaluation else -1]
+    return Conflict(
+        f"episode {episode_id!r} is a {other} episode; a {split} call cannot join it "
+        "(evaluation calls go under /eval, training calls not)",
+        param="episode_id",
+        code="episode_split_conflict",
+    )
 
 
 def _count(rows: list[Completion]) -> None:

@@ -20,8 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from core.store.lineage import Lineage
 from core.store.models import Completion, Episode, Run, stored_version_starts
 from core.store.runs import checkpoint_of, list_runs, policy_versions
-from core.store.status import EpisodeStatus
-from gateway.agent.capture import CaptureWriter
+from gateway.agent.capture import CaptureWriter, split_conflict
 from gateway.agent.encoders.chat import chat_completion
 from gateway.agent.episodes import (
     VERSION_HEADER,
@@ -36,7 +35,7 @@ from gateway.agent.episodes import (
 )
 from gateway.control.admission import Admission, run_unavailable
 from gateway.control.backends import BackendPool, PinUnsupported, RunServing
-from gateway.errors import APIError, Conflict, InvalidRequest, Unavailable, backend_failure
+from gateway.errors import APIError, InvalidRequest, Unavailable, backend_failure
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from inference import registry
 from inference.backend import BackendError
@@ -291,25 +290,22 @@ class ChatService:
         metadata: dict[str, str] | None,
         messages: list[dict[str, Any]],
     ) -> Placement:
-        """The call's episode (`gateway.agent.episodes.place`); 409 if the id it names is an
-        episode of the other split (an evaluation call naming a training episode, or the
-        reverse). Prefix matching cannot cross them (`EVAL_SPACE`), and a call that found
-        its parent is in the parent's episode, so only a named episode without a parent is
-        read here."""
+        """The call's episode (`gateway.agent.episodes.place`).
+
+        Nothing crosses the training/evaluation split: prefix matching looks in the call's
+        own split (`EVAL_SPACE`), and the store refuses a completion in an episode of the
+        other one (`completions.held_out`), a 409 at the commit. An evaluation call that
+        names a training episode is refused here already, before it samples (one read, on
+        a path that is not the training hot path); a training call is not read for it.
+        """
         placement = await place(
             self.lineage, run.id, ref, metadata, messages, cfg.prefix_match_window_s
         )
-        if placement.parent is None and placement.link != "new":
+        if ref.evaluation and placement.parent is None and placement.link != "new":
             async with self.sessions() as s:
                 stored = await s.get(Episode, (run.id, placement.episode_id))
-            if stored is not None and (stored.status == EpisodeStatus.EVAL) != ref.evaluation:
-                split, other = ("evaluation", "training")[:: 1 if ref.evaluation else -1]
-                raise Conflict(
-                    f"episode {placement.episode_id!r} is a {other} episode; a {split} call "
-                    "cannot join it (evaluation calls go under /eval, training calls not)",
-                    param="episode_id",
-                    code="episode_split_conflict",
-                )
+            if stored is not None and not stored.held_out:
+                raise split_conflict(placement.episode_id, evaluation=True)
         return placement
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
@@ -406,6 +402,7 @@ class ChatService:
             spliced=prep.spliced,
             drift=parent is not None and not prep.spliced,
             link=placement.link,
+            held_out=placement.evaluation,
         )
         if row.drift:
             logger.info(

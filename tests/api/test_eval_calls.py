@@ -186,3 +186,33 @@ def test_the_openai_client_needs_only_another_base_url(full, gateway_server) -> 
     assert page.status_code == 200, page.text
     listed = json.dumps(page.json())
     assert episode_id in listed and "train-1" not in listed
+
+
+def _split_conflicts(http: httpx.Client, name: str, prefix: str) -> None:
+    """A held-out episode `prefix`-held, then training calls naming it: each a 409, nothing
+    stored; a streamed one ends in an error event instead of its last chunk."""
+    body = {"model": name, "messages": MSGS, "max_tokens": 2}
+    ok = http.post(f"/eval/episodes/{prefix}-held/v1/chat/completions", json=body)
+    assert ok.status_code == 200, ok.text
+    refused = http.post(f"/episodes/{prefix}-held/v1/chat/completions", json=body)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "episode_split_conflict"
+    with http.stream(
+        "POST", f"/episodes/{prefix}-held/v1/chat/completions", json={**body, "stream": True}
+    ) as stream:
+        text = "".join(stream.iter_text())
+    assert "episode_split_conflict" in text and "[DONE]" not in text.split("episode_split")[-1]
+
+
+def test_the_store_refuses_a_training_completion_in_a_held_out_episode(full) -> None:
+    run, http, _ = full
+    _split_conflicts(http, run["name"], "sqlite")
+
+
+def test_the_store_refuses_it_on_postgresql_too(pg) -> None:
+    _split_conflicts(pg.http, pg.run["name"], "pg")
+    held = pg.conn.execute(
+        "SELECT e.held_out, count(c.id) FROM episodes e JOIN completions c "
+        "ON c.run_id = e.run_id AND c.episode_id = e.id WHERE e.id = 'pg-held' GROUP BY e.held_out"
+    ).fetchall()
+    assert held == [(True, 1)]  # the refused calls stored nothing

@@ -97,7 +97,7 @@ def test_migrated_schema_has_the_models_tables_and_indexes(sqlite_url: str) -> N
         completion_fks = insp.get_foreign_keys("completions")
         assert any(
             fk["referred_table"] == "episodes"
-            and fk["constrained_columns"] == ["run_id", "episode_id"]
+            and fk["constrained_columns"] == ["run_id", "episode_id", "held_out"]
             for fk in completion_fks
         )
         unique = insp.get_unique_constraints("rewards")
