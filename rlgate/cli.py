@@ -217,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"])
     export.add_argument("--out", required=True, help="output file (replaced when complete)")
     export.add_argument("--status", default=None, help="only episodes with this status")
+    export.add_argument(
+        "--split",
+        default="train",
+        choices=["train", "eval"],
+        help="train: training episodes (default); eval: evaluation (held-out) episodes only",
+    )
     export.add_argument("--min-version", type=int, default=None, help="only newer samples")
     export.add_argument(
         "--merged",

@@ -42,8 +42,7 @@ def run_export(args: argparse.Namespace) -> int:
         Path(args.out),
         status=args.status,
         min_version=args.min_version,
-        # a parser without `--split` exports what `rlgate export` always did: training episodes
-        split=getattr(args, "split", None) or "train",
+        split=args.split,
     )
 
 

@@ -94,22 +94,16 @@ class ExportFilter:
     min_version: int | None = None
     split: ExportSplit = "train"
 
-    def status_query(self) -> tuple[bool, EpisodeStatus | None]:
-        """(whether any episode can match, the status to select in the store).
-
-        An evaluation episode's status is `eval` for life, so the eval split is that
-        status, and a status filter that names another one matches nothing there.
-        """
-        if self.split == "eval":
-            return self.status in (None, EpisodeStatus.EVAL), EpisodeStatus.EVAL
-        return self.status != EpisodeStatus.EVAL, self.status
-
-    def admits(self, ep: Episode) -> bool:
-        return episode_split(ep) == self.split
+    def can_match(self) -> bool:
+        """An evaluation episode's status is `eval` for life, and only theirs is: a status
+        filter that names the other split's statuses matches nothing."""
+        if self.status is None:
+            return True
+        return (self.status == EpisodeStatus.EVAL) == (self.split == "eval")
 
 
 def episode_split(ep: Episode) -> ExportSplit:
-    return "eval" if ep.status == EpisodeStatus.EVAL else "train"
+    return "eval" if ep.held_out else "train"
 
 
 def completion_record(c: Completion) -> dict[str, Any]:
@@ -152,13 +146,8 @@ class ExportService:
         self.page_size = page_size
 
     async def pages(self, run_id: str, filt: ExportFilter) -> AsyncIterator[list[dict[str, Any]]]:
-        """Episode records of a run's split, oldest first, at most `page_size` at a time.
-
-        The train split without a status filter reads the store's pages whole and
-        leaves out their evaluation episodes, so a page may be short (never empty).
-        """
-        any_match, status = filt.status_query()
-        if not any_match:
+        """Episode records of a run's split, oldest first, at most `page_size` at a time."""
+        if not filt.can_match():
             return
         after: tuple[datetime, str] | None = None
         while True:
@@ -168,18 +157,16 @@ class ExportService:
                     run_id,
                     limit=self.page_size,
                     after=after,
-                    status=status,
+                    status=filt.status,
                     min_version=filt.min_version,
+                    held_out=filt.split == "eval",
                 )
                 if not page:
                     return
-                episodes = [e for e in page if filt.admits(e)]
                 by_episode: dict[str, list[Completion]] = defaultdict(list)
-                if episodes:
-                    for c in await episode_completions(s, run_id, [e.id for e in episodes]):
-                        by_episode[c.episode_id].append(c)
-            if episodes:
-                yield [episode_record(e, by_episode[e.id]) for e in episodes]
+                for c in await episode_completions(s, run_id, [e.id for e in page]):
+                    by_episode[c.episode_id].append(c)
+            yield [episode_record(e, by_episode[e.id]) for e in page]
             if len(page) < self.page_size:
                 return
             after = (page[-1].created_at, page[-1].id)
