@@ -29,12 +29,10 @@ NAMING = {"fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s"}
 
 def _episode_fk() -> str:
     """The name of the completions -> episodes foreign key that revision 0001 created."""
-    bind = op.get_bind()
-    if bind.dialect.name != "postgresql":
-        return "fk_completions_run_id_episodes"
-    for fk in sa.inspect(bind).get_foreign_keys("completions"):
+    for fk in sa.inspect(op.get_bind()).get_foreign_keys("completions"):
         if fk["referred_table"] == "episodes":
-            return fk["name"]
+            # unnamed on SQLite (as 0001 made it): batch mode names it by NAMING
+            return fk["name"] or "fk_completions_run_id_episodes"
     raise RuntimeError("completions has no foreign key to episodes")
 
 

@@ -231,3 +231,65 @@ def test_sqlite_version_starts_column_keeps_rows(sqlite_url: str) -> None:
 @pytest.mark.integration
 def test_postgres_version_starts_column_keeps_rows(pg_schema: str) -> None:
     _check_version_starts_migration(PG_URL)
+
+
+# --- held-out episodes (0010) --------------------------------------------------------
+
+
+def _check_held_out_migration(url: str) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    upgrade(url, "0009")
+    _insert_completion(url)
+    upgrade(url, "0010")
+    engine = make_sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            # rows stored before are training rows, and are all still there
+            assert conn.execute(text("SELECT held_out FROM episodes")).scalars().all() == [False]
+            assert conn.execute(text("SELECT id, held_out FROM completions")).all() == [
+                ("c", False)
+            ]
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO episodes (run_id, id, group_id, status, created_at, held_out)"
+                    " VALUES ('r', 'h', 'g', 'eval', CURRENT_TIMESTAMP, true)"
+                )
+            )
+        columns = (
+            "id, run_id, episode_id, messages, prompt_token_ids, output_token_ids,"
+            " output_logprobs, content, finish_reason, temperature, policy_version, created_at,"
+            " spliced, drift, held_out"
+        )
+        for cid, episode, held_out in (("x1", "h", "false"), ("x2", "e", "true")):
+            with pytest.raises(IntegrityError), engine.begin() as conn:
+                conn.execute(
+                    text(
+                        f"INSERT INTO completions ({columns}) VALUES ('{cid}', 'r', '{episode}',"
+                        " '[]', :b, :b, :b, '', 'stop', 1.0, 0, CURRENT_TIMESTAMP, false, false,"
+                        f" {held_out})"
+                    ),
+                    {"b": b""},
+                )
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM episodes WHERE id = 'h'"))
+    finally:
+        engine.dispose()
+    downgrade(url, "0009")
+    upgrade(url)
+    engine = make_sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT id FROM completions")).scalars().all() == ["c"]
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_held_out_split_keeps_rows_and_refuses_crossing(sqlite_url: str) -> None:
+    _check_held_out_migration(sqlite_url)
+
+
+@pytest.mark.integration
+def test_postgres_held_out_split_keeps_rows_and_refuses_crossing(pg_schema: str) -> None:
+    _check_held_out_migration(PG_URL)
