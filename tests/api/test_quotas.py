@@ -132,3 +132,20 @@ def test_quotas_off_without_redis(gateway_server) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "quotas_disabled"
     body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
     assert all(agent.post("/v1/chat/completions", json=body).status_code == 200 for _ in range(3))
+
+
+def test_evaluation_calls_are_metered_like_any_other(server) -> None:
+    run = server.create_run(name="rpm-eval")
+    admin, agent, key_id = _clients(server, run)
+    limits = f"/admin/v1/runs/{run['run_id']}/keys/{key_id}/limits"
+    assert admin.put(limits, json={"requests_per_min": 2}).status_code == 200
+    body = {"model": run["name"], "messages": MSGS, "max_tokens": 2}
+    if time.time() % 60 > 40:
+        time.sleep(60 - time.time() % 60)
+    window = int(time.time() // 60)
+    paths = ["/eval/v1/chat/completions", "/v1/chat/completions",
+             "/eval/episodes/q/v1/chat/completions", "/eval/v1/messages"]  # fmt: skip
+    answers = [agent.post(path, json=body) for path in paths]
+    assert int(time.time() // 60) == window, "the calls took more than 20 s"
+    assert [a.status_code for a in answers] == [200, 200, 429, 429]
+    assert admin.get(limits).json()["requests_this_min"] == 4
