@@ -168,6 +168,42 @@ def test_chat_completions_never_5xx(
 
 @FUZZ
 @given(data=st.data())
+def test_evaluation_calls_pins_and_split_clashes_never_5xx(
+    data: st.DataObject, http: httpx.Client, run: dict, gateway_server: GatewayServer
+) -> None:
+    """Training and evaluation calls that name the same few episodes (the store refuses
+    every crossing: a 409), with pins of any text: a 2xx is stored, anything else is a
+    4xx that stored nothing."""
+    split = data.draw(st.sampled_from(["", "/eval"]), label="split")
+    body = data.draw(chat_bodies(run["name"]), label="body")
+    headers = data.draw(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "X-Episode-Id": st.sampled_from(["clash-a", "clash-b"]),
+                "X-Rlgate-Version": st.text(max_size=12) | st.integers(-2, 3).map(str),
+            },
+        ),
+        label="headers",
+    )
+    headers = {k: v for k, v in headers.items() if v.isascii() and v.isprintable()}
+    if isinstance(body, dict):
+        t = as_float(body.get("temperature"))
+        assume(t is None or not 0 < t < 1e-30)
+    n_before = gateway_server.count("completions")
+    resp = http.post(
+        split + "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers | JSON
+    )
+    check_answer(resp)
+    if resp.status_code == 200:
+        stored = gateway_server.completion(resp.json()["id"])
+        assert stored is not None and bool(stored["held_out"]) == (split == "/eval")
+    else:
+        assert gateway_server.count("completions") == n_before
+
+
+@FUZZ
+@given(data=st.data())
 def test_rewards_never_5xx(
     data: st.DataObject, http: httpx.Client, gateway_server: GatewayServer, run: dict
 ) -> None:
