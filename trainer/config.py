@@ -149,7 +149,7 @@ class RunConfig(BaseModel):
         "groups sampled; the engine does not forward it); skip: drop it, and wait for "
         "groups_per_step groups whose rewards differ",
     )
-    # --- evaluation episodes (under /eval): how many the store keeps (gateway.control.eval_retention)
+    # --- evaluation episodes (under /eval): how many are kept (gateway.control.eval_retention)
     eval_keep_episodes: int = Field(
         10000,
         ge=1,
