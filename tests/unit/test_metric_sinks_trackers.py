@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -76,6 +77,7 @@ def test_wandb_one_offline_run_per_rlgate_run_resumed_after_a_restart(
         for v in versions:
             assert sinks.log(tracked("run_w"), v, STEPS[v]) == 0
         sinks.close()
+        time.sleep(1.1)  # W&B names an offline run's directory by the second it opened
 
     runs = offline_runs(tmp_path, "run_w")
     assert len(runs) == 2  # one directory per worker process, both W&B run "run_w"
