@@ -3,11 +3,12 @@ the compare view overlays the held-out curves of the compared runs.
 
 Real runs of the tiny model on the browser tests' stack (uvicorn gateway, Celery worker):
 evaluation episodes through the gateway's `/eval` calls on the official `openai` client, at
-version 0, then one real train step, then more at version 1, and one episode whose first turn
-was sampled before the swap and its second after (it spans the swap); rewards over
-`/v1/rewards` (episode rewards, per-turn rewards, a revised one, an unscored episode). The
-chart's means are read from its uPlot instance (`window.rlCharts.evals`) and compared with
-the admin API's `/evals` rows and with the figures recomputed here from the posted rewards.
+version 0, then a real train step, more at version 1, another step, more at version 2, and
+one episode whose first turn was sampled before the first swap and its second after (it
+spans it); rewards over `/v1/rewards` (episode rewards, per-turn rewards, a revised one, an
+unscored episode). The chart's means are read from its uPlot instance
+(`window.rlCharts.evals`) and compared with the admin API's `/evals` rows and with the
+figures recomputed here from the posted rewards.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _as_drawn(rows: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def eval_runs(real_run: RunFixture) -> tuple[dict, dict, dict]:
-    """(run, other, expected): `run` evaluated at versions 0 and 1 around one train step,
+    """(run, other, expected): `run` evaluated at versions 0, 1 and 2 around two train steps,
     `other` at version 0 only; `expected` the figures recomputed from the rewards posted."""
     model = os.environ.get("RLGATE_BROWSER_MODEL", "tiny")
     run = _create(real_run.url, "held-out-run", model)
@@ -108,8 +109,18 @@ def eval_runs(real_run: RunFixture) -> tuple[dict, dict, dict]:
         _reward(real_run, run, episode_id=f"v1-{i}", reward=reward)
     _eval_turn(real_run, run, "span", 1)  # its second turn by version 1
     _reward(real_run, run, episode_id="span", reward=0.7)
+
+    _wave(real_run.url, run, 1, [])  # a second step: version 2
+    wait_version(real_run, 2, run=run)
+    for i, reward in enumerate((1.0, 0.8, 0.9)):
+        _eval_turn(real_run, run, f"v2-{i}")
+        _reward(real_run, run, episode_id=f"v2-{i}", reward=reward)
     expected = {
-        "run": {0: _expected([0.2, 0.6, 1.0, 0.5]), 1: _expected([0.9, 0.5])},
+        "run": {
+            0: _expected([0.2, 0.6, 1.0, 0.5]),
+            1: _expected([0.9, 0.5]),
+            2: _expected([1.0, 0.8, 0.9]),
+        },
         "spanning": _expected([0.7]),
         "other": {0: _expected([0.1, 0.4])},
     }
@@ -138,7 +149,7 @@ def test_run_page_charts_held_out_reward_by_version(browser, real_run, eval_runs
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     _login(page, real_run.url)
     page.goto(f"{real_run.url}/dashboard/runs/{run['run_id']}")
-    page.wait_for_selector("#evals[data-points='2']", state="attached")
+    page.wait_for_selector("#evals[data-points='3']", state="attached")
 
     drawn = _drawn(page)
     assert drawn == [_as_drawn(figures["data"])]  # what is drawn is what the admin API says
@@ -148,7 +159,7 @@ def test_run_page_charts_held_out_reward_by_version(browser, real_run, eval_runs
         assert fig["episodes"] == want[v]["episodes"], v
         assert fig["mean_reward"] == pytest.approx(want[v]["mean_reward"]), v
         assert fig["stderr"] == pytest.approx(want[v]["stderr"]), v
-    assert page.evaluate("window.rlCharts.evals.data[0]") == [0, 1]  # x: versions
+    assert page.evaluate("window.rlCharts.evals.data[0]") == [0, 1, 2]  # x: versions
 
     # the swap-spanning episode is reported apart, in words, with the admin API's figures
     spanning = figures["spanning"]
@@ -186,13 +197,14 @@ def test_compare_overlays_held_out_curves(browser, real_run, eval_runs) -> None:
     page = browser.new_page(viewport={"width": 1360, "height": 1100})
     _login(page, real_run.url)
     page.goto(f"{real_run.url}/dashboard/compare?run={run['run_id']}&run={other['run_id']}")
-    page.wait_for_selector("#evals[data-points='3']", state="attached")
+    page.wait_for_selector("#evals[data-points='4']", state="attached")
     labels = page.evaluate("window.rlCharts.evals.series.slice(1).map(s => s.label)")
     assert labels == [run["name"], other["name"]]
-    # one curve per run, each its own figures; `other` has no version 1 (a gap, not a zero)
+    # one curve per run, each its own figures; `other` has no version 1 or 2 (gaps, not zeros)
     assert _drawn(page) == [_as_drawn(f["data"]) for f in figures]
     assert page.evaluate("window.rlCharts.evals.data[2]") == [
         pytest.approx(expected["other"][0]["mean_reward"]),
+        None,
         None,
     ]
     assert page.inner_text("#evals .eval-note").startswith(f"{run['name']}: 1 episode(s)")
