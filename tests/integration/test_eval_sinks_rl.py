@@ -18,6 +18,7 @@ import uuid
 
 import openai
 import pytest
+from wandb import teardown as wandb_teardown
 
 from core.settings import Settings
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
@@ -59,6 +60,8 @@ def test_each_version_held_out_figures_reach_every_sink_once_per_change(
     wandb_dir = tmp_path / "wandb"
     monkeypatch.setenv("WANDB_MODE", "offline")  # the worker inherits this environment
     monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    # W&B keeps the settings of its first run in the process (its dir among them)
+    wandb_teardown()
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     settings = Settings(
         data_dir=tmp_path / "data",

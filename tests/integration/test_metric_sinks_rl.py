@@ -16,6 +16,7 @@ import socket
 import uuid
 
 import pytest
+from wandb import teardown as wandb_teardown
 
 from core.settings import Settings
 from rlgate.stack import free_port, start_gateway, start_worker, stop, wait_healthy
@@ -60,6 +61,8 @@ def test_wandb_and_mlflow_hold_the_step_rows_and_a_failing_sink_leaves_the_step_
     wandb_dir = tmp_path / "wandb"
     monkeypatch.setenv("WANDB_MODE", "offline")  # the worker inherits this environment
     monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    # W&B keeps the settings of its first run in the process (its dir among them)
+    wandb_teardown()
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the refusing server: no backoff
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     settings = Settings(

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy.orm import sessionmaker
+from wandb import teardown as wandb_teardown
 
 from core.store.db import make_sync_engine
 from core.store.evals import EvalFigures
@@ -71,6 +72,8 @@ def test_wandb_companion_run_keyed_by_eval_version_beside_the_train_run(
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    # W&B keeps the settings of its first run in the process (its dir among them)
+    wandb_teardown()
     cfg = MetricsSinkConfig(wandb_project="unit")
     run = tracked("run_w")
     for batch in ([V1, V2], [V1_REVISED]):  # the second MetricsSinks is a restarted worker

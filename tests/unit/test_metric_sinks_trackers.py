@@ -13,6 +13,7 @@ import time
 
 import pytest
 from pydantic import ValidationError
+from wandb import teardown as wandb_teardown
 
 from tests.wandb_records import offline_runs
 from trainer.config import RunConfig, TrackingConfig
@@ -71,6 +72,8 @@ def test_wandb_one_offline_run_per_rlgate_run_resumed_after_a_restart(
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    # W&B keeps the settings of its first run in the process (its dir among them)
+    wandb_teardown()
     cfg = MetricsSinkConfig(wandb_project="unit")
     for versions in ([1, 2], [3]):  # the second MetricsSinks is a restarted worker
         sinks = make_sinks(cfg)
