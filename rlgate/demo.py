@@ -39,7 +39,7 @@ import openai
 
 from core.settings import Settings, available_cores
 from core.store.status import StepStatus
-from rlgate.demo_task import heldout_problems, make_problem, score
+from rlgate.demo_task import Problem, heldout_problems, make_problem, score
 from rlgate.stack import embedded_stack
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ async def evaluate(
     """
     tag = uuid.uuid4().hex[:8]
 
-    async def attempt(i: int, problem) -> tuple[str, float, set[int]]:
+    async def attempt(i: int, problem: Problem) -> tuple[str, float, set[int]]:
         episode = f"eval-{tag}-{i}"
         async with openai.AsyncOpenAI(
             base_url=f"{url}/eval/episodes/{episode}/v1",
