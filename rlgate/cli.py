@@ -33,6 +33,8 @@ def _demo(args: argparse.Namespace) -> int:
         cfg.max_waves_per_step = args.max_waves
     if args.patience is not None:
         cfg.patience = args.patience
+    if args.eval_every is not None:
+        cfg.eval_every = args.eval_every
     if args.lora_rank is not None:  # an adapter learns at a larger rate than every weight
         cfg.run_config["lora_rank"] = args.lora_rank
         cfg.learning_rate = args.learning_rate or LORA_DEMO_LEARNING_RATE
@@ -166,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="stop once learned and this many versions set no new best reward (3; 0: never)",
+    )
+    demo.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="held-out evaluation at v0, every N versions and the last one (3; 0: none)",
     )
     demo.add_argument(
         "--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead"
