@@ -41,7 +41,7 @@ class _Chat:
             id=completion_id, finish_reason=result.finish_reason, tool_calls=None
         )
 
-    async def store(self, rows, group_id) -> None:
+    async def store(self, rows, group_id, *, evaluation: bool = False) -> None:
         self.stores.append(rows)
         if len(self.stores) == 1:
             self.waiting.set()
@@ -56,7 +56,7 @@ def _prep() -> SimpleNamespace:
         ),
         prompt_ids=[1, 2],
         params=SimpleNamespace(stop=()),
-        placement=SimpleNamespace(episode_id="ep-1", group_id=None),
+        placement=SimpleNamespace(episode_id="ep-1", group_id=None, evaluation=False),
         reasoning=False,
         think_open=False,
         tool_parser=None,
