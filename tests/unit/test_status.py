@@ -22,6 +22,7 @@ def test_the_stored_values_are_pinned() -> None:
         "trained",
         "dropped",
         "expired",
+        "eval",
     ]
     assert [s.value for s in StepStatus] == ["queued", "running", "done", "failed"]
     assert PENDING_EPISODE == ("open", "rewarded")
