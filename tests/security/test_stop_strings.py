@@ -1,5 +1,6 @@
 """One stream's stop strings cannot stall the gateway: a 300,000-character stop string is
-refused, and streams with stop strings at the caps leave `/health` answering fast."""
+refused, and streams with stop strings at the caps leave `/health` answering as fast as
+streams without them."""
 
 from __future__ import annotations
 
@@ -53,16 +54,17 @@ def _at_the_caps() -> list[str]:
     return ["a" * (CAPS.stop_string_chars - 1 - i) + "b" for i in range(CAPS.stop_strings)]
 
 
-def test_health_stays_fast_while_streams_run_with_stop_strings_at_the_caps(
-    gateway_server: GatewayServer, http: httpx.Client, run: dict
-) -> None:
+def _health_p99_while_streaming(
+    gateway_server: GatewayServer, http: httpx.Client, run: dict, stop: list[str] | None
+) -> float:
+    """/health's p99 latency while 3 streams of at least 100 events run (with `stop`)."""
     body = {
         "model": run["name"],
         "messages": USER,
         "max_tokens": 900,  # most of the tiny model's 1,024-token context: seconds of stream
         "temperature": 1.0,
         "stream": True,
-        "stop": _at_the_caps(),
+        **({"stop": stop} if stop else {}),
     }
     streamed: list[int] = []
 
@@ -95,5 +97,18 @@ def test_health_stays_fast_while_streams_run_with_stop_strings_at_the_caps(
     assert len(streamed) == 3 and min(streamed) > 100, streamed  # they did stream
     assert len(latencies) >= 50, len(latencies)
     latencies.sort()
-    p99 = latencies[int(0.99 * (len(latencies) - 1))]
-    assert p99 < 0.1, f"/health p99 {p99 * 1000:.0f} ms over {len(latencies)} probes"
+    return latencies[int(0.99 * (len(latencies) - 1))]
+
+
+def test_health_stays_fast_while_streams_run_with_stop_strings_at_the_caps(
+    gateway_server: GatewayServer, http: httpx.Client, run: dict
+) -> None:
+    """Against the same streams without stop strings, measured in the same run (a load on
+    the machine grows both): stop matching at the caps may cost the event loop a little,
+    never a stall."""
+    base = _health_p99_while_streaming(gateway_server, http, run, None)
+    capped = _health_p99_while_streaming(gateway_server, http, run, _at_the_caps())
+    assert capped <= 2 * base + 0.05, (
+        f"/health p99 {capped * 1000:.0f} ms with stop strings at the caps, "
+        f"{base * 1000:.0f} ms without"
+    )
