@@ -113,10 +113,21 @@ class ChatService:
         return cfg
 
     async def serving(self, run: Run, ref: EpisodeRef | None = None) -> RunServing:
-        """The run's serving; for an evaluation call that pins an older version
-        (`EpisodeRef.version`), a serving of that version (`pinned`)."""
-        if ref is not None and ref.version is not None and ref.version != run.current_version:
-            return await self.pinned(run, ref.version)
+        """The run's serving; for an evaluation call that pins another version than the one
+        it serves now (`EpisodeRef.version`), a serving of that version (`pinned`).
+
+        A pin is compared with the version the serving holds, not with `run.current_version`:
+        the run as the key cache hands it out may lag a swap the swap loop has made. A pin
+        of the version being served is the run's own serving, so a keep-mode swap during
+        that call makes it span two versions, and its figures are reported apart.
+        """
+        current = await self._current(run)
+        if ref is None or ref.version is None or ref.version == current.backend.version:
+            return current
+        return await self.pinned(run, ref.version)
+
+    async def _current(self, run: Run) -> RunServing:
+        """The run's own serving, loaded on its first call."""
         key = (run.id, run.current_version)
         ckpt = self._checkpoints.get(key)
         if ckpt is None:
@@ -148,7 +159,7 @@ class ChatService:
             versions = await policy_versions(s, run.id)
         paths = {pv.version: Path(pv.checkpoint_path) for pv in versions}
         kept = [v for v in sorted(paths) if v == 0 or paths[v].is_dir()]
-        if version not in kept or version > run.current_version:
+        if version not in kept:  # committed versions only: a step writes its row on commit
             raise InvalidRequest(
                 f"{VERSION_HEADER}: version {version} of run {run.name!r} is not kept; "
                 f"kept versions: {', '.join(map(str, kept)) or 'none'}",

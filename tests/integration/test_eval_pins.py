@@ -236,7 +236,7 @@ def test_a_pin_on_a_full_model_run_on_vllm_is_a_400(
             (run.id, str(ckpt)),
         )
     deadline = time.monotonic() + 60
-    while True:  # until this gateway's cached run is at version 1 (a pin of 0 is then a pin)
+    while True:  # until the servers hold version 1 (a pin of 0 is then another version)
         try:
             resp = run.chat("/eval/episodes/pinned-0", pin=0)
         except openai.BadRequestError as exc:
