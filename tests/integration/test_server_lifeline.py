@@ -77,6 +77,17 @@ def watchers_of(pgid: int) -> list[int]:
     return found
 
 
+def wait_watched(pgid: int, deadline_s: float = 30.0) -> list[int]:
+    """`watchers_of(pgid)` once there is one (or after `deadline_s`). The watcher starts
+    just after the server (`TetheredProcess`: until then the server's parent-death signal
+    covers it), a Python start that a loaded machine may delay past the server's first
+    write."""
+    deadline = time.monotonic() + deadline_s
+    while not (found := watchers_of(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 def fake_server(tmp_path: Path, ignore_sigterm: bool = False) -> tuple[Path, Path]:
     """(the stand-in's path, the file where it writes "server_pid worker_pid")."""
     pids = tmp_path / "pids"
@@ -118,7 +129,7 @@ def test_rlgate_inference_serve_killed_takes_its_server_along(tmp_path: Path) ->
     try:
         pids = read_pids(pid_file)
         assert all(alive(p) for p in pids)
-        assert watchers_of(pids[0]), "a watcher tethers the server's group to rlgate"
+        assert wait_watched(pids[0]), "a watcher tethers the server's group to rlgate"
         serve.kill()
         serve.wait(10)
         assert wait_gone(pids) == [], "the server or its worker outlived `rlgate inference serve`"
@@ -165,7 +176,7 @@ def test_stopping_a_server_also_ends_its_watcher(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         pids = read_pids(pid_file)
-        assert len(watchers_of(proc.pid)) == 1
+        assert len(wait_watched(proc.pid)) == 1
     finally:
         stop_server(proc)
         # The worker is in the server's group: stop_server's SIGTERM reaches it too.
