@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.store.evals import EvalFigures, eval_figures_sync
 from core.store.models import Run
+from core.store.runs import set_counter_sync
 from trainer.metrics_sinks import MetricsSinks, TrackedRun
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,5 @@ def log_eval_figures(sessions: sessionmaker[Session], sinks: MetricsSinks, run: 
     versions = [p.version for p in points]
     logger.info("run %s: held-out figures of versions %s logged", run.id, versions)
     with sessions.begin() as s:
-        # A write first takes the run row's lock (PostgreSQL) or the database's write lock
-        # (SQLite) before the read, so the gateway's counter updates in between are kept.
-        s.execute(update(Run).where(Run.id == run.id).values(status=Run.status))
-        row = s.get(Run, run.id)
-        if row is not None:
-            row.counters = {**(row.counters or {}), LOGGED: remembered(figures)}
+        set_counter_sync(s, run.id, LOGGED, remembered(figures))
     return failed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Table, delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -59,6 +61,18 @@ async def lock_run_for_claim(session: AsyncSession, run_id: str) -> Run | None:
         await session.execute(text("BEGIN IMMEDIATE"))
     stmt = select(Run).where(Run.id == run_id).with_for_update(key_share=True)
     return (await session.execute(stmt)).scalar_one_or_none()
+
+
+def set_counter_sync(session: Session, run_id: str, name: str, value: Any) -> None:
+    """Set one of the run's counters, keeping the others as they are at the write.
+
+    The no-op update first takes the run row's lock (PostgreSQL) or the database's write
+    lock (SQLite) before the counters are read, so a counter another process bumps in
+    between is not lost. Call it in a `sessions.begin()` block."""
+    session.execute(update(Run).where(Run.id == run_id).values(status=Run.status))
+    run = session.get(Run, run_id)
+    if run is not None:
+        run.counters = {**(run.counters or {}), name: value}
 
 
 def lock_run_sync(session: Session, run_id: str) -> None:
