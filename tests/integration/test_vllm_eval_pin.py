@@ -27,11 +27,10 @@ import psycopg
 import pytest
 import torch
 
-from inference.launch import ServerConfig, install_vllm, running_server
 from inference.models import resolve_model
 from inference.sampling import sampling_logprobs
-from rlgate.stack import free_port
 from tests.integration.lora_agents import CONFIG, PROMPT, REWARDS, LoraRun, train_one_step
+from tests.integration.vllm_lora_stack import lora_gateway, lora_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -47,23 +46,9 @@ def base_dir(smollm2_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_url(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("vllm-eval-pin")
-    python = install_vllm(log=logs / "install.log")
-    cfg = ServerConfig(
-        kind="vllm",
-        model_dir=base_dir,
-        python=python,
-        port=free_port(),
-        max_model_len=1024,
-        enable_lora=True,
-        max_loras=3,  # the run's adapter + a pinned one + a spare (the module docstring)
-        max_lora_rank=8,
-    )
-    try:
-        with running_server(cfg, logs / "server.log", timeout_s=900):
-            yield cfg.url
-    except (RuntimeError, TimeoutError) as exc:
-        raise AssertionError((logs / "server.log").read_text(errors="replace")[-4000:]) from exc
+    # the run's adapter + a pinned one + a spare (the module docstring)
+    with lora_server(base_dir, tmp_path_factory.mktemp("vllm-eval-pin"), max_loras=3) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +59,9 @@ def gateway(
     smollm2_cache: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator:
-    from core.settings import Settings
-    from tests.integration.conftest import running_stack
-
-    tmp = tmp_path_factory.mktemp("vllm-eval-pin-gw")
-    settings = Settings(
-        data_dir=tmp / "data",
-        database_url=module_postgres_url,
-        broker_url=redis_url,
-        queue_name=f"train-{tmp.name}",
-        admin_key="vllm-eval-pin-admin-key",
-        dev_mode=False,
-        model_cache_dir=smollm2_cache,
-        sync_interval_s=0.2,
-    )
-    with running_stack(settings, tmp) as stack:
+    with lora_gateway(
+        "vllm-eval-pin", redis_url, module_postgres_url, smollm2_cache, tmp_path_factory
+    ) as stack:
         yield stack
 
 

