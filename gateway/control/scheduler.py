@@ -110,7 +110,7 @@ class TrainingScheduler:
         broker has already consumed the message). The task is idempotent, so
         a slow but alive first attempt and the resend cannot both bump the version.
         """
-        now = datetime.now(UTC)
+        now, now_mono = datetime.now(UTC), time.monotonic()  # one instant, on both clocks
         # A look without the lock first: while a step is in flight (most passes, and every
         # reward posted meanwhile) there is nothing to claim, and taking the write lock on
         # each pass would starve the trainer's own commit of that step.
@@ -142,7 +142,7 @@ class TrainingScheduler:
                 return flight.step, True
             decision = await self._decide(s, run)
             if not decision.chosen:
-                self._idle[run_id] = (signature, *self._skip_window(decision, now))
+                self._idle[run_id] = (signature, *self._skip_window(decision, now, now_mono))
                 return None
             batch = decision.episode_ids
             step = run.current_version
@@ -175,10 +175,17 @@ class TrainingScheduler:
             await mark_queued(s, run_id, batch, step, Verdict.CHOSEN)
             return step, False
 
-    def _skip_window(self, decision: BatchDecision, now: datetime) -> tuple[float, float]:
+    def _skip_window(
+        self, decision: BatchDecision, now: datetime, now_mono: float
+    ) -> tuple[float, float]:
         """(when, until) in monotonic seconds: passes with an unchanged signature skip the
-        full read until the clock changes a verdict, within [full_scan_s, IDLE_RESCAN_S]."""
-        passed = time.monotonic()
+        full read until the clock changes a verdict, within [full_scan_s, IDLE_RESCAN_S].
+
+        The window counts from `now_mono`, the monotonic reading taken with `now` (the
+        instant the verdicts were judged at), not from the end of the pass: a slow pass
+        would otherwise push the next verdict change late by its own length.
+        """
+        passed = now_mono
         wait_s = IDLE_RESCAN_S
         if decision.next_change is not None:
             wait_s = min(wait_s, (decision.next_change - now).total_seconds())
