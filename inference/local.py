@@ -1,49 +1,64 @@
-"""In-process transformers backend: one worker thread batches concurrent requests.
+"""In-process transformers backend: one model thread decodes every request continuously.
 
-One worker thread owns the model. It takes up to `max_batch_size` queued
-requests into a static batch, prefills them left-padded, and decodes them step
-by step with one KV cache; a row leaves when it stops, the batch when every
-row has.
+One worker thread owns the model and decodes every request in flight as one
+batch (`inference.decode_batch`): a request joins at the next decode step,
+prefilled on its own (reusing the KV of any earlier prompt it shares a
+prefix with, `inference.prefix_cache`), and leaves with its cache row the
+step it stops, hits its length or is cancelled. No step is spent on a
+finished or padded row, and a call that arrives while others decode waits
+one step, not for a batch to end. When the thread is idle, the first request
+waits `batch_wait_s` for others so that a burst starts as one step. Sampling
+runs for every row at once (`inference.sampling.sample_batch`), each row with
+its own parameters and seeded generator, so a row's tokens do not depend on
+its batch-mates.
+
+Memory: at most `max_batch_size` rows decode together, and the batch's KV
+cache (rows times its widest row's prompt and `max_tokens`, an upper bound) stays
+under `kv_cache_bytes`: a request that would exceed it waits for rows to
+leave; one that alone exceeds it is refused with `BackendOverloaded` (a 429).
+The prefix cache holds at most `prefix_cache_bytes` (least recently used out).
 
 Hot swap, the ordering contract (`inference.types.SwapPolicy`), for the base
 weights (`load_weights`) and for one LoRA adapter (`load_adapter`) alike:
 
 * `keep` (the default): the checkpoint or adapter is read and checked off the
-  model thread; the worker then applies it between two decode steps of the
-  running batch (after one step's tokens are sampled, before the next
-  forward), or at once when idle. Each row still generating that the swap
-  concerns (every row for new base weights, that adapter's rows for an
-  adapter) goes on with it and records a mark (its output length, the new
-  version): `GenerateResult.version_starts`, built by
-  `inference.types.result_with_marks`. Rows on an adapter keep their
-  adapter's version across a base swap. New requests wait only for the
-  in-place copy, never for a batch to finish. With `clear_kv` the KV cache
-  of the concerned rows is recomputed by the new weights before the next
-  step (one prefill of prompt + output so far, in the batch's left-padded
-  layout and positions), so every later token is computed entirely by them;
-  without it they decode over the cache the old weights computed. Rows the
-  swap does not concern keep their cache: another adapter's rows decode bit
-  for bit as without the swap.
-* `drain`: `load_weights` is queued behind the running batch, which finishes
-  on the old weights; the state dict is then copied in place and every later
-  batch reports the new version. An adapter is put in the bank at once: a
-  batch routes the adapters of one snapshot taken when it starts, so the
-  running batch finishes on the old adapter without anyone waiting for it.
-  A completion never mixes versions.
+  model thread; the worker then applies it between two decode steps (after
+  one step's tokens are sampled, before the next forward), or at once when
+  idle. Each row still generating that the swap concerns (every row for new
+  base weights, that adapter's rows for an adapter) goes on with it and
+  records a mark (its output length, the new version):
+  `GenerateResult.version_starts`, built by `inference.types.result_with_marks`.
+  Rows on an adapter keep their adapter's version across a base swap. New
+  requests wait only for the in-place copy. With `clear_kv` the KV cache of
+  the concerned rows is recomputed by the new weights before the next step
+  (one prefill of prompt + output so far), so every later token is computed
+  entirely by them; without it they decode over the cache the old weights
+  computed. Rows the swap does not concern keep their cache: another
+  adapter's rows decode bit for bit as without the swap.
+* `drain`: `load_weights` waits in line: requests that came before it finish
+  on the old weights, no request that came after it joins until then; the
+  state dict is then copied in place and later requests report the new
+  version. An adapter is put in the bank at once: a row takes its adapter
+  when it joins, so rows decoding finish on the old adapter without anyone
+  waiting for them. A completion never mixes versions.
 
 A checkpoint that cannot be read or does not fit the model fails its
 `load_weights` before anything is copied: the old weights keep serving and no
-row is marked. Cost of `keep`: the running batch pauses for the in-place copy
-and, with `clear_kv`, one prefill of the concerned rows (their prompt and
-output so far); a checkpoint is held in memory next to the model until it is
-copied.
+row is marked. Cost of `keep`: the running rows pause for the in-place copy
+and, with `clear_kv`, one prefill of the concerned rows; a checkpoint is held
+in memory next to the model until it is copied. A swap of the base weights
+empties the prefix cache; an adapter swap drops that adapter's entries.
 
 LoRA adapters (`AdapterBackend`): many adapters on the one base model, each
-request naming its own (`GenerateRequest.adapter`); a batch mixes them row by
-row (`inference.lora.AdapterBank`). An adapter's first load under `drain`,
-which hooks its modules, is queued to the model thread like `load_weights`.
-A row reports its adapter's version (the base model's `version` when it
-names none); a request naming an adapter that is not loaded fails alone.
+request naming its own (`GenerateRequest.adapter`); a step mixes them row by
+row (`inference.lora.AdapterBank`). A row reports its adapter's version (the
+base model's `version` when it names none); a request naming an adapter that
+is not loaded fails alone.
+
+Why not transformers' own continuous batching (`generate_batch`, its paged
+cache): its manager owns the decode loop, so there is no point between two
+steps to apply a keep swap, mark rows or recompute their cache, and no
+per-row adapter routing; this loop is small and keeps those.
 """
 
 from __future__ import annotations
@@ -55,36 +70,23 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from inference.backend import BackendError, BackendOverloaded
+from inference.decode_batch import DecodeBatch, Job, Row
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
-from inference.sampling import sample_row
+from inference.prefix_cache import PrefixCache, PrefixKey
+from inference.sampling import sample_batch
 from inference.stop_strings import TextStop
 from inference.swap import WeightsSource, weights_dir
-from inference.types import (
-    KEEP,
-    FinishReason,
-    GenerateRequest,
-    GenerateResult,
-    SamplingParams,
-    SwapPolicy,
-    result_with_marks,
-)
+from inference.types import KEEP, GenerateRequest, GenerateResult, SamplingParams, SwapPolicy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Job:
-    request: GenerateRequest
-    future: Future
-    on_token: Callable[[int, float], None] | None = None  # called from the worker thread
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class LocalStream:
@@ -93,7 +95,7 @@ class LocalStream:
     def __init__(self, backend: LocalBackend, request: GenerateRequest) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
-        self._job = _Job(request, Future(), on_token=self._push)
+        self._job = Job(request, Future(), on_token=self._push)
         backend._submit(self._job)
         self._job.future.add_done_callback(lambda _: self._push_threadsafe(None))
 
@@ -164,44 +166,6 @@ class _Wake:
 _WAKE = _Wake()
 
 
-@dataclass
-class _Running:
-    """The batch that is decoding, as much of it as a keep swap changes or reads."""
-
-    jobs: list[_Job]
-    rows: list[Adapter | None]  # each row's adapter (None: the base model)
-    marks: list[list[tuple[int, int]]]  # each row's (token index, version) marks
-    out_ids: list[list[int]]
-    finish: list[FinishReason | None]
-
-    def live(self) -> list[int]:
-        """The rows still generating."""
-        return [i for i, f in enumerate(self.finish) if f is None]
-
-    def swapped(self, swap: _KeepWeights | _KeepAdapter) -> list[int]:
-        """The rows still generating that `swap` concerns, moved onto it: every row for new
-        base weights (marked if it samples the base), that adapter's rows for an adapter."""
-        if isinstance(swap, _KeepWeights):
-            rows = self.live()
-            labelled = [i for i in rows if self.rows[i] is None]
-        else:
-            rows = [i for i in self.live() if self.jobs[i].request.adapter == swap.name]
-            labelled = rows
-            for i in rows:
-                self.rows[i] = swap.adapter
-        for i in labelled:
-            self._mark(i, swap.version)
-        return rows
-
-    def _mark(self, row: int, version: int) -> None:
-        """Row `row`'s next token is sampled by `version`."""
-        last = self.marks[row][-1][1]
-        if version > last:
-            self.marks[row].append((len(self.out_ids[row]), version))
-        elif version < last:
-            logger.warning("swap to version %d under a row at version %d: unmarked", version, last)
-
-
 def _check_compatible(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     """Refuse a checkpoint before copying anything, so a failed swap leaves no mixed weights."""
     missing = sorted(current.keys() - new.keys())
@@ -241,8 +205,12 @@ class LocalBackend:
         decode: Callable[[list[int]], str] | None = None,
         max_pending: int = 512,
         threads: int = 0,
+        kv_cache_bytes: int = 4 << 30,
+        prefix_cache_bytes: int = 512 << 20,
     ) -> None:
-        """`threads`: torch intra-op threads of the thread that runs the model; 0: torch's."""
+        """`threads`: torch intra-op threads of the thread that runs the model; 0: torch's.
+        `kv_cache_bytes`: the decoding rows' KV cache at most; `prefix_cache_bytes`: the
+        stored prompt prefixes' at most (the module's "Memory")."""
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
@@ -256,9 +224,12 @@ class LocalBackend:
         self.pad_id = self.model.config.pad_token_id or 0
         self._version = version
         self._adapters = AdapterBank(self.model)
+        self.kv_cache_bytes = kv_cache_bytes
+        self.prefixes = PrefixCache(prefix_cache_bytes)  # the model thread's only
+        self._kv_token_bytes = _kv_bytes_per_token(self.model.config)
         self.threads = threads
         self.torch_threads: int | None = None  # what the model thread runs on, once started
-        self._queue: queue.Queue[_Job | _Swap | _AddHooks | _Wake | None] = queue.Queue()
+        self._queue: queue.Queue[Job | _Swap | _AddHooks | _Wake | None] = queue.Queue()
         # keep swaps waiting for the worker's next step (or its next idle moment)
         self._keep: collections.deque[_KeepWeights | _KeepAdapter] = collections.deque()
         self._keep_lock = threading.Lock()
@@ -277,7 +248,7 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if not request.prompt_token_ids:
             raise BackendError("empty prompt")
-        return await asyncio.wrap_future(self._submit(_Job(request, Future())))
+        return await asyncio.wrap_future(self._submit(Job(request, Future())))
 
     def start_stream(self, request: GenerateRequest) -> LocalStream:
         if not request.prompt_token_ids:
@@ -345,11 +316,18 @@ class LocalBackend:
             await asyncio.to_thread(self._thread.join, 30)
             self._fail_keep_swaps()
 
-    def _submit(self, item: _Job | _Swap | _AddHooks) -> Future:
+    def _submit(self, item: Job | _Swap | _AddHooks) -> Future:
         if self._closed:
             raise BackendError("local backend is closed")
-        if isinstance(item, _Job) and self._queue.qsize() >= self.max_pending:
-            raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
+        if isinstance(item, Job):
+            if self._queue.qsize() >= self.max_pending:
+                raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
+            if item.need * self._kv_token_bytes > self.kv_cache_bytes:
+                raise BackendOverloaded(
+                    f"a prompt of {len(item.request.prompt_token_ids)} tokens and max_tokens "
+                    f"{item.request.params.max_tokens} need more KV cache than this backend "
+                    f"holds ({self.kv_cache_bytes >> 20} MiB)"
+                )
         self._queue.put(item)
         return item.future
 
@@ -384,35 +362,190 @@ class LocalBackend:
             self._fail_keep_swaps()
 
     def _serve_queue(self) -> None:
+        """Decode until shut down. `pending` holds, in arrival order, the requests that have
+        not joined yet and the drain swaps and shutdown they must not overtake."""
+        pending: collections.deque[Job | _Swap | None] = collections.deque()
+        batch = DecodeBatch()
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, _Wake):
-                self._apply_keep(None)
-                continue
-            if not isinstance(item, _Job):
-                self._swap(item)
-                continue
-            batch = [item]
-            deferred: list[_Swap | _AddHooks | None] = []
-            try:
-                while len(batch) < self.max_batch_size:
-                    nxt = self._queue.get(timeout=self.batch_wait_s)
-                    if isinstance(nxt, _Job):
-                        batch.append(nxt)
-                    elif not isinstance(nxt, _Wake):  # a drain swap or shutdown waits for it
-                        deferred.append(nxt)
+            if not batch.rows:
+                while pending and not isinstance(pending[0], Job):  # nothing runs: apply it
+                    barrier = pending.popleft()
+                    if barrier is None:
+                        return
+                    self._swap(barrier)
+                if not pending:
+                    self._receive(self._queue.get(), pending)
+                    if pending and isinstance(pending[-1], Job):
+                        self._gather(pending)
+            else:
+                while True:
+                    try:
+                        self._receive(self._queue.get_nowait(), pending)
+                    except queue.Empty:
                         break
+            self._apply_keep(batch)  # keep swaps handed over meanwhile: new rows start on them
+            self._admit(pending, batch)
+            if batch.rows:
+                self._decode_step(batch)
+                self._finish(batch)
+                recompute = self._apply_keep(batch)  # between two steps: where keep swaps land
+                if recompute:
+                    self._recompute_kv(batch, recompute)
+
+    def _receive(self, item: Job | _Swap | _AddHooks | _Wake | None, pending: Any) -> None:
+        """File one item of the queue: hooks now (no forward runs), keep swaps at the next
+        point between steps, the rest in line."""
+        if isinstance(item, _AddHooks):
+            self._swap(item)
+        elif not isinstance(item, _Wake):
+            pending.append(item)
+
+    def _gather(self, pending: collections.deque[Job | _Swap | None]) -> None:
+        """Idle: wait up to `batch_wait_s` for more requests, so a burst starts as one step."""
+        while len(pending) < self.max_batch_size and isinstance(pending[-1], Job):
+            try:
+                self._receive(self._queue.get(timeout=self.batch_wait_s), pending)
             except queue.Empty:
-                pass
-            self._apply_keep(None)  # keep swaps that came while it gathered: it starts on them
-            self._run_batch(batch)
-            self._apply_keep(None)
-            for d in deferred:
-                if d is None:
-                    return
-                self._swap(d)
+                return
+
+    def _admit(self, pending: collections.deque[Job | _Swap | None], batch: DecodeBatch) -> None:
+        """Prefill the requests at the head of the line that fit, sample their first token
+        and add them to `batch`; a request stays in line while the batch is full."""
+        joining: list[Row] = []
+        widest = max((r.job.need for r in batch.rows), default=0)
+        while pending and isinstance(head := pending[0], Job):
+            rows = len(batch.rows) + len(joining) + 1
+            widest_then = max(widest, head.need)
+            full = rows > self.max_batch_size or (
+                rows * widest_then * self._kv_token_bytes > self.kv_cache_bytes
+            )
+            if full and (joining or batch.rows):  # a lone request fits (checked on submit)
+                break
+            pending.popleft()
+            if not head.future.set_running_or_notify_cancel():
+                continue
+            if head.cancelled.is_set():
+                head.future.set_result(Row(head, None, self._version, None, None).result())
+                continue
+            name = head.request.adapter
+            adapter = None if name is None else self._adapters.snapshot({name}).get(name)
+            if name is not None and adapter is None:
+                head.future.set_exception(BackendError(f"adapter {name!r} is not loaded"))
+                continue
+            version = self._version if adapter is None else adapter.version
+            generator, stop = self._generator(head.request), self._stop_check(head.request.params)
+            joining.append(Row(head, adapter, version, generator, stop))
+            widest = widest_then
+        if joining:
+            self._prefill(joining, batch)
+
+    @torch.no_grad()
+    def _prefill(self, joining: list[Row], batch: DecodeBatch) -> None:
+        """Prefill each distinct prompt of `joining` once (its adapter's prefix reused where
+        stored), sample every row's first token, and add those that go on to `batch`."""
+        groups: dict[tuple[Any, ...], list[Row]] = {}
+        for row in joining:
+            groups.setdefault((id(row.adapter), tuple(row.prompt)), []).append(row)
+        firsts: list[tuple[list[Row], Any, torch.Tensor]] = []
+        for rows in groups.values():
+            try:
+                cache, logits = self._prefill_one(rows[0])
+            except Exception as exc:
+                logger.exception("prefill failed")
+                for row in rows:
+                    row.job.future.set_exception(BackendError(f"generation failed: {exc}"))
+                continue
+            firsts.append((rows, cache, logits))
+        if not firsts:
+            return
+        rows = [row for group, _, _ in firsts for row in group]
+        logits = torch.cat([lg.expand(len(group), -1) for group, _, lg in firsts])
+        self._sample(rows, logits)
+        for group, cache, _ in firsts:
+            going = [row for row in group if row.finish is None]
+            for row in group:
+                if row.finish is not None:
+                    row.job.future.set_result(row.result())
+            if going:
+                if len(going) > 1:
+                    for layer in cache.layers:
+                        layer.keys = layer.keys.repeat(len(going), 1, 1, 1)
+                        layer.values = layer.values.repeat(len(going), 1, 1, 1)
+                batch.join(going, cache)
+
+    def _prefill_one(self, row: Row) -> tuple[Any, torch.Tensor]:
+        """One prompt's cache (one row, every prompt position) and its last logits [1, V]."""
+        prompt = row.prompt
+        key = self._prefix_key(row)
+        reused, kv = self.prefixes.lookup(key, prompt)
+        past = None if kv is None else DynamicCache(ddp_cache_data=kv)
+        device = self.device
+        with self._adapters.routing([row.adapter]):
+            out = self.model(
+                input_ids=torch.tensor([prompt[reused:]], dtype=torch.long, device=device),
+                attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+                position_ids=torch.arange(reused, len(prompt), device=device)[None],
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache = out.past_key_values
+        self.prefixes.store(key, prompt, [(layer.keys, layer.values) for layer in cache.layers])
+        return cache, out.logits[:, -1, :]
+
+    def _prefix_key(self, row: Row) -> PrefixKey:
+        """The weights that compute `row`'s prompt now."""
+        if row.adapter is None:
+            return (None, None, self._version)
+        return (row.job.request.adapter, row.adapter.version, self._version)
+
+    @torch.no_grad()
+    def _decode_step(self, batch: DecodeBatch) -> None:
+        """One forward for every row: feed its last token, sample its next."""
+        for row in batch.rows:
+            if row.job.cancelled.is_set():
+                row.finish = "cancelled"
+        self._finish(batch)
+        if not batch.rows:
+            return
+        device = self.device
+        ids = torch.tensor([[r.out_ids[-1]] for r in batch.rows], dtype=torch.long, device=device)
+        positions = torch.tensor([[r.kv_len] for r in batch.rows], dtype=torch.long, device=device)
+        mask = batch.grow()
+        try:
+            with self._adapters.routing([r.adapter for r in batch.rows]):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=batch.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        except Exception as exc:
+            logger.exception("decode step failed")
+            for row in batch.rows:
+                row.job.future.set_exception(BackendError(f"generation failed: {exc}"))
+            batch.leave(list(range(len(batch.rows))))
+            return
+        batch.cache = out.past_key_values
+        self._sample(batch.rows, out.logits[:, -1, :])
+
+    @staticmethod
+    def _sample(rows: list[Row], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_batch(
+            logits, [r.job.request.params for r in rows], [r.generator for r in rows]
+        )
+        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+            row.take(token, logprob)
+
+    @staticmethod
+    def _finish(batch: DecodeBatch) -> None:
+        """Answer the rows that ended and drop them from the batch."""
+        done = [i for i, r in enumerate(batch.rows) if r.finish is not None]
+        for i in done:
+            batch.rows[i].job.future.set_result(batch.rows[i].result())
+        batch.leave(done)
 
     def _swap(self, swap: _Swap | _AddHooks) -> None:
         if isinstance(swap, _AddHooks):
@@ -428,15 +561,16 @@ class LocalBackend:
                 # for tens of ms, which would otherwise stall whatever runs right after the swap.
                 state.clear()
                 self._version = swap.version
+                self.prefixes.drop(everything=True)
                 logger.info("now serving version %d from %s", swap.version, swap.checkpoint_dir)
                 swap.future.set_result(None)
             except Exception as exc:  # the swap fails, the old weights keep serving
                 logger.exception("weight load failed")
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
 
-    def _apply_keep(self, running: _Running | None) -> list[int]:
+    def _apply_keep(self, batch: DecodeBatch) -> list[int]:
         """Apply the keep swaps handed over so far (no forward runs now) and mark the rows of
-        `running` they concern; the rows whose KV cache must then be recomputed."""
+        `batch` they concern; the rows whose KV cache must then be recomputed."""
         recompute: set[int] = set()
         while self._keep:  # read without the lock: the common case, once per step, is empty
             with self._keep_lock:
@@ -451,14 +585,16 @@ class LocalBackend:
                         self.model.load_state_dict(swap.state, strict=True)
                     swap.state.clear()  # before answering (see `_swap`)
                     self._version = swap.version
+                    self.prefixes.drop(everything=True)
                 else:
                     self._adapters.add_hooks(self._adapters.unhooked(swap.adapter))
                     self._adapters.put(swap.name, swap.adapter)
+                    self.prefixes.drop(swap.name)
             except Exception as exc:  # checked before it came here; the old weights serve
                 logger.exception("keep swap to version %d failed", swap.version)
                 swap.future.set_exception(BackendError(f"weight load failed: {exc}"))
                 continue
-            rows = [] if running is None else running.swapped(swap)
+            rows = self._swapped(batch, swap)
             if swap.clear_kv:
                 recompute.update(rows)
             logger.info(
@@ -467,121 +603,38 @@ class LocalBackend:
             swap.future.set_result(None)
         return sorted(recompute)
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-        loaded = self._adapters.snapshot({j.request.adapter for j in jobs if j.request.adapter})
-        for j in [j for j in jobs if j.request.adapter and j.request.adapter not in loaded]:
-            j.future.set_exception(BackendError(f"adapter {j.request.adapter!r} is not loaded"))
-            jobs.remove(j)
-        if not jobs:
-            return
-        try:
-            results = self._generate_batch(jobs, loaded)
-        except Exception as exc:
-            logger.exception("batch generation failed")
-            for j in jobs:
-                j.future.set_exception(BackendError(f"generation failed: {exc}"))
-            return
-        for j, r in zip(jobs, results, strict=True):
-            j.future.set_result(r)
+    @staticmethod
+    def _swapped(batch: DecodeBatch, swap: _KeepWeights | _KeepAdapter) -> list[int]:
+        """The rows of `batch` that `swap` concerns, moved onto it: every row for new base
+        weights (marked if it samples the base), that adapter's rows for an adapter."""
+        if isinstance(swap, _KeepWeights):
+            rows = list(range(len(batch.rows)))
+            labelled = [i for i in rows if batch.rows[i].adapter is None]
+        else:
+            rows = [i for i, r in enumerate(batch.rows) if r.job.request.adapter == swap.name]
+            labelled = rows
+            for i in rows:
+                batch.rows[i].adapter = swap.adapter
+        for i in labelled:
+            if not batch.rows[i].mark(swap.version):
+                logger.warning("swap to version %d under a row past it: unmarked", swap.version)
+        return rows
 
     @torch.no_grad()
-    def _generate_batch(self, jobs: list[_Job], loaded: dict[str, Adapter]) -> list[GenerateResult]:
-        """Left-padded batched decoding with a KV cache; each row samples with its own params
-        and its own adapter (from `loaded`, the bank's snapshot for this batch)."""
-        rows = [None if j.request.adapter is None else loaded[j.request.adapter] for j in jobs]
-        versions = [self._version if a is None else a.version for a in rows]
-        running = _Running(
-            jobs, rows, [[(0, v)] for v in versions], [[] for _ in jobs], [None] * len(jobs)
-        )
-        return self._decode(running)
-
-    def _decode(self, running: _Running) -> list[GenerateResult]:
-        jobs, out_ids, finish = running.jobs, running.out_ids, running.finish
-        requests = [j.request for j in jobs]
-        width = max(len(r.prompt_token_ids) for r in requests)
-        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, r in enumerate(requests):
-            n = len(r.prompt_token_ids)
-            ids[row, width - n :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
-            mask[row, width - n :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generators = [self._generator(r) for r in requests]
-        stops = [self._stop_check(r.params) for r in requests]
-        out_lps: list[list[float]] = [[] for _ in requests]
-        max_new = max(r.params.max_tokens for r in requests)
-        cache = None
-        step_ids, step_pos = ids, positions
-        for _ in range(max_new):
-            with self._adapters.routing(running.rows):
-                out = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    past_key_values=cache,
+    def _recompute_kv(self, batch: DecodeBatch, rows: list[int]) -> None:
+        """Recompute, in place, the cache of `rows` with the weights and adapters served now:
+        one prefill each of its prompt and output but its last token (which the next step
+        feeds); other rows' entries stay as they are."""
+        for i in rows:
+            row = batch.rows[i]
+            fed = row.prompt + row.out_ids[:-1]
+            with self._adapters.routing([row.adapter]):
+                fresh = self.model(
+                    input_ids=torch.tensor([fed], dtype=torch.long, device=self.device),
                     use_cache=True,
                     logits_to_keep=1,
-                )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :]
-            next_ids = []
-            for row, r in enumerate(requests):
-                if finish[row] is None and jobs[row].cancelled.is_set():
-                    finish[row] = "cancelled"
-                if finish[row] is not None:
-                    next_ids.append(self.pad_id)
-                    continue
-                token, lp = sample_row(logits[row], r.params, generators[row])
-                out_ids[row].append(token)
-                out_lps[row].append(lp)
-                on_token, stop = jobs[row].on_token, stops[row]
-                if on_token is not None:
-                    on_token(token, lp)
-                hit = stop is not None and stop.push(token)
-                if token in r.params.stop_token_ids or hit:
-                    finish[row] = "stop"
-                elif len(out_ids[row]) >= r.params.max_tokens:
-                    finish[row] = "length"
-                next_ids.append(token)
-            if all(f is not None for f in finish):
-                break
-            step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            recompute = self._apply_keep(running)  # between two steps: where keep swaps land
-            if recompute:
-                self._recompute_kv(cache, recompute, ids, mask, running)
-        return [
-            result_with_marks(o, lp, f or "length", m)
-            for o, lp, f, m in zip(out_ids, out_lps, finish, running.marks, strict=True)
-        ]
-
-    def _recompute_kv(
-        self, cache: Any, rows: list[int], ids: torch.Tensor, mask: torch.Tensor, running: _Running
-    ) -> None:
-        """Recompute, in place, the entries of `rows` (all still generating) of `cache` (a
-        transformers DynamicCache) with the weights and adapters served now: one prefill of
-        their prompt and output but its last token (which the next step feeds), left-padded
-        and positioned as the decode loop has them; other rows' entries stay as they are."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        sampled = torch.tensor(
-            [running.out_ids[i][:-1] for i in rows], dtype=torch.long, device=self.device
-        ).reshape(len(rows), -1)
-        fed = torch.cat([ids.index_select(0, index), sampled], dim=1)
-        fed_mask = mask.index_select(0, index)[:, :-1]
-        with self._adapters.routing([running.rows[i] for i in rows]):
-            fresh = self.model(
-                input_ids=fed,
-                attention_mask=fed_mask,
-                position_ids=(fed_mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-            ).past_key_values
-        for old, new in zip(cache.layers, fresh.layers, strict=True):
-            old.keys.index_copy_(0, index, new.keys)
-            old.values.index_copy_(0, index, new.values)
+                ).past_key_values
+            batch.overwrite(i, fresh)
 
     def _stop_check(self, params: SamplingParams) -> TextStop | None:
         """A row's stop-string check: fed each sampled token, true once the text holds one.
@@ -598,3 +651,11 @@ class LocalBackend:
         if request.params.seed is None:
             return None
         return torch.Generator().manual_seed(request.params.seed)
+
+
+def _kv_bytes_per_token(config: Any) -> int:
+    """Bytes of keys and values one position takes in every layer (float32)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * int(text.num_hidden_layers) * int(heads) * int(head_dim) * 4

@@ -445,7 +445,7 @@ def test_export_jsonl_and_parquet_carry_version_starts(stack: Stack) -> None:
 # --- a real keep-mode swap in the real local backend ---------------------------------------
 #
 # Kind "local-held" is the real local backend, plus two test hooks: `arm()` holds its next
-# generation inside the forward that samples token `HELD_AT` (a forward hook, no sleeps), and
+# generation in the decode step that samples token `HELD_AT` (no sleeps), and
 # `handed` says when a swap reached its worker. While a call is held, the test commits a new
 # version in the store as a train step would (a `policy_versions` row, `current_version`);
 # the gateway's own swap loop then swaps it in with the run's policy (keep), and the call is
@@ -467,7 +467,6 @@ class HeldLocalBackend(LocalBackend):
             threading.Event(),
         )
         self._steps = -1  # decode steps of the armed generation; -1: none armed
-        self.model.register_forward_pre_hook(self._hold, with_kwargs=True)
         HeldLocalBackend.current = self
 
     def arm(self) -> None:
@@ -475,14 +474,15 @@ class HeldLocalBackend(LocalBackend):
             event.clear()
         self._steps = 0
 
-    def _hold(self, _module: Any, _args: tuple, kwargs: dict) -> None:
-        if self._steps < 0 or kwargs["input_ids"].shape[1] != 1:  # not armed, or a prefill
-            return
-        self._steps += 1
-        if self._steps == HELD_AT:
-            self._steps = -1
-            self.held.set()
-            self.release.wait(60)
+    def _decode_step(self, batch: Any) -> None:
+        """Hold the decode step that samples token HELD_AT of the armed generation."""
+        if self._steps >= 0:
+            self._steps += 1
+            if self._steps == HELD_AT:
+                self._steps = -1
+                self.held.set()
+                self.release.wait(60)
+        super()._decode_step(batch)
 
     def _defer_to_next_step(self, swap: Any) -> Any:
         future = super()._defer_to_next_step(swap)

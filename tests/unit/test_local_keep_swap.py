@@ -85,28 +85,32 @@ async def _swap_after_token(
     held, release, handed = threading.Event(), threading.Event(), threading.Event()
     decode_steps, sizes = 0, []
 
-    def hold(_module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
-        nonlocal decode_steps
-        if kwargs["input_ids"].shape[1] == 1:  # a decode step (the forward of token k)
-            decode_steps += 1
-            if decode_steps == AT:
-                held.set()
-                release.wait(60)
+    real_defer, real_step, real_join = (
+        backend._defer_to_next_step,
+        backend._decode_step,
+        backend._prefill,
+    )
 
-    real_defer, real_batch = backend._defer_to_next_step, backend._generate_batch
+    def step(batch):  # the decode step that samples token k: held at k == AT
+        nonlocal decode_steps
+        decode_steps += 1
+        if decode_steps == AT:
+            held.set()
+            release.wait(60)
+        return real_step(batch)
 
     def defer(swap):
         future = real_defer(swap)
         handed.set()
         return future
 
-    def batch(jobs, loaded):
-        sizes.append(len(jobs))
-        return real_batch(jobs, loaded)
+    def join(rows, batch):
+        sizes.append(len(rows))
+        return real_join(rows, batch)
 
     monkeypatch.setattr(backend, "_defer_to_next_step", defer)
-    monkeypatch.setattr(backend, "_generate_batch", batch)
-    hook = backend.model.register_forward_pre_hook(hold, with_kwargs=True)
+    monkeypatch.setattr(backend, "_decode_step", step)
+    monkeypatch.setattr(backend, "_prefill", join)
     try:
         streams = [backend.start_stream(r) for r in requests]
         assert await asyncio.to_thread(held.wait, 60), "the batch never reached token AT"
@@ -114,10 +118,9 @@ async def _swap_after_token(
         assert await asyncio.to_thread(handed.wait, 60), "the swap never reached the worker"
     finally:
         release.set()
-        hook.remove()
     await asyncio.wait_for(swapping, 60)
     results = [await s.result() for s in streams]
-    assert sizes == [len(requests)], f"the requests were not one batch: {sizes}"
+    assert sizes == [len(requests)], f"the requests did not join as one: {sizes}"
     return results
 
 
@@ -250,6 +253,8 @@ async def test_a_keep_adapter_swap_moves_only_that_adapters_rows(
         GenerateRequest(prompts[1], _greedy(), adapter="run_b"),
         GenerateRequest(prompts[2], _greedy()),
     ]
+    await asyncio.gather(*(backend.generate(r) for r in requests))  # stores their prefixes
+    # the same three rows computed the same way as below: prompts from the prefix cache
     unswapped = await asyncio.gather(*(backend.generate(r) for r in requests))
 
     async def swap() -> None:

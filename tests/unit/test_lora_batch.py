@@ -180,30 +180,34 @@ async def test_a_swap_replaces_one_adapter_and_unload_fails_only_its_requests(
 
 
 async def test_a_drain_swap_during_a_batch_returns_at_once_and_serves_from_the_next_batch(
-    backend: LocalBackend, adapters: dict[str, Path], prompts: list[list[int]]
+    backend: LocalBackend,
+    adapters: dict[str, Path],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The batch that is decoding is held at its second token (a hook in the model); the
-    drain-mode adapter swap must return while it is held, and the held batch must still
-    finish on the old adapter, every token of it."""
+    """The row that is decoding is held at its second token; the drain-mode adapter swap
+    must return while it is held, and the held row must still finish on the old adapter,
+    every token of it (a row takes its adapter when it joins)."""
     await backend.load_adapter("run_a", adapters["a"], 1)
     request = GenerateRequest(prompts[0], _greedy(), adapter="run_a")
     alone = (await backend.generate(request)).output_token_ids
     held, release = threading.Event(), threading.Event()
+    real_step = backend._decode_step
 
-    def hold_decode(_module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
-        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():  # a decode step
+    def hold_decode(batch):  # the first decode step is held
+        if not held.is_set():
             held.set()
             release.wait(60)
+        return real_step(batch)
 
-    hook = backend.model.register_forward_pre_hook(hold_decode, with_kwargs=True)
+    monkeypatch.setattr(backend, "_decode_step", hold_decode)
     try:
         stream = backend.start_stream(request)
-        assert await asyncio.to_thread(held.wait, 60), "the batch never reached a decode step"
+        assert await asyncio.to_thread(held.wait, 60), "the row never reached a decode step"
         await asyncio.wait_for(backend.load_adapter("run_a", adapters["a2"], 2, DRAIN), 60)
         assert backend.adapter_version("run_a") == 2
     finally:
         release.set()
-        hook.remove()
     during = await stream.result()
     assert (during.policy_version, during.output_token_ids) == (1, alone)
     assert during.version_starts == ()
