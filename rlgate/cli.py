@@ -138,6 +138,7 @@ BENCHES = {
     "learn": ("rlgate.bench.learn", "held-out reward from one sample budget: rlgate vs TRL"),
     "tenants": ("rlgate.bench.tenants", "gateway memory of 1 vs 8 LoRA runs; adapter vs full swap"),
     "served": ("rlgate.bench.served", "last reward to new version served: fsdp vs local engine"),
+    "sample": ("rlgate.bench.sample", "local backend tokens/s and TTFT vs generate()"),
 }
 
 
