@@ -33,3 +33,10 @@ def test_top_k_zero_or_past_the_vocabulary_is_off() -> None:
 def test_negative_top_k_is_refused() -> None:
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-1)
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    logits = torch.tensor([3.0, 3.0, 3.0, 0.0, 3.0, -1.0])
+    gen = torch.Generator().manual_seed(2)
+    drawn = {sample_row(logits, SamplingParams(top_k=2), gen)[0] for _ in range(300)}
+    assert drawn == {0, 1, 2, 4}
