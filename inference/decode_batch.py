@@ -1,14 +1,15 @@
 """The rows the local backend is decoding, and their one KV cache.
 
-Continuous batching keeps one left-aligned-by-padding KV cache for every row
-still generating: a row's keys and values fill the rightmost `kv_len`
-columns of its batch row, left padding (attention mask 0) before them. A row
-that joins is prefilled on its own and its cache is padded on the left to
-the batch's width (or the batch to its); a row that finishes leaves at once
-with its cache row, and columns that no row uses any more are cut from the
-left. Each decode step then feeds every row its last sampled token at its
-own position, so rows of any age decode together and no step is spent on a
-finished or padded row.
+Continuous batching keeps one KV cache for every row still generating: a
+row's keys and values sit in the columns its attention mask marks (1), in
+order, padding (0) elsewhere; the positions fed to the model count a row's
+own tokens only, so padding changes nothing it computes. Rows that join are
+prefilled together and their cache is padded on the left to the batch's
+width (or the batch to theirs); a row that finishes leaves at once with its
+cache row, and columns that no row uses any more are cut from the left.
+Each decode step then feeds every row its last sampled token at its own
+position, so rows of any age decode together and no step is spent on a
+finished row.
 """
 
 from __future__ import annotations
@@ -105,16 +106,14 @@ class DecodeBatch:
     def width(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
-    def join(self, rows: list[Row], cache: Any) -> None:
-        """Add `rows`, whose cache (same row order) has exactly their `kv_len` positions each,
-        all equal; pads the narrower side on the left."""
-        n = rows[0].kv_len
-        mask = torch.ones((len(rows), n), dtype=torch.long, device=cache.layers[0].keys.device)
+    def join(self, rows: list[Row], cache: Any, mask: torch.Tensor) -> None:
+        """Add `rows` with their cache (same row order) and its mask; pads the narrower
+        side on the left."""
         if self.cache is None:
             self.rows, self.cache, self.mask = list(rows), cache, mask
             return
         assert self.mask is not None
-        width = max(self.width, n)
+        width = max(self.width, int(mask.shape[1]))
         for own, new in zip(self.cache.layers, cache.layers, strict=True):
             own.keys = torch.cat([_pad_left(own.keys, width), _pad_left(new.keys, width)])
             own.values = torch.cat([_pad_left(own.values, width), _pad_left(new.values, width)])
@@ -146,11 +145,12 @@ class DecodeBatch:
         return self.mask
 
     def overwrite(self, row: int, cache: Any) -> None:
-        """Replace row `row`'s positions (the rightmost `kv_len`) with `cache`'s, one row."""
-        n = self.rows[row].kv_len
+        """Replace row `row`'s positions with those of `cache` (one row, `kv_len` wide)."""
+        assert self.mask is not None
+        cols = self.mask[row].nonzero()[:, 0]
         for own, new in zip(self.cache.layers, cache.layers, strict=True):
-            own.keys[row, :, -n:] = new.keys[0, :, -n:]
-            own.values[row, :, -n:] = new.values[0, :, -n:]
+            own.keys[row, :, cols] = new.keys[0]
+            own.values[row, :, cols] = new.values[0]
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

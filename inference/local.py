@@ -441,57 +441,76 @@ class LocalBackend:
 
     @torch.no_grad()
     def _prefill(self, joining: list[Row], batch: DecodeBatch) -> None:
-        """Prefill each distinct prompt of `joining` once (its adapter's prefix reused where
-        stored), sample every row's first token, and add those that go on to `batch`."""
+        """Prefill each distinct prompt of `joining` once, in one forward (each reusing its
+        longest stored prefix), sample every row's first token, and add the rows that go on
+        to `batch`."""
         groups: dict[tuple[Any, ...], list[Row]] = {}
         for row in joining:
             groups.setdefault((id(row.adapter), tuple(row.prompt)), []).append(row)
-        firsts: list[tuple[list[Row], Any, torch.Tensor]] = []
-        for rows in groups.values():
-            try:
-                cache, logits = self._prefill_one(rows[0])
-            except Exception as exc:
-                logger.exception("prefill failed")
-                for row in rows:
-                    row.job.future.set_exception(BackendError(f"generation failed: {exc}"))
-                continue
-            firsts.append((rows, cache, logits))
-        if not firsts:
+        heads = [rows[0] for rows in groups.values()]
+        try:
+            cache, mask, logits = self._prefill_prompts(heads)
+        except Exception as exc:
+            logger.exception("prefill failed")
+            for row in joining:
+                row.job.future.set_exception(BackendError(f"generation failed: {exc}"))
             return
-        rows = [row for group, _, _ in firsts for row in group]
-        logits = torch.cat([lg.expand(len(group), -1) for group, _, lg in firsts])
-        self._sample(rows, logits)
-        for group, cache, _ in firsts:
-            going = [row for row in group if row.finish is None]
-            for row in group:
-                if row.finish is not None:
-                    row.job.future.set_result(row.result())
-            if going:
-                if len(going) > 1:
-                    for layer in cache.layers:
-                        layer.keys = layer.keys.repeat(len(going), 1, 1, 1)
-                        layer.values = layer.values.repeat(len(going), 1, 1, 1)
-                batch.join(going, cache)
+        for i, head in enumerate(heads):
+            cols = mask[i].nonzero()[:, 0]
+            kv = [
+                (layer.keys[i : i + 1, :, cols], layer.values[i : i + 1, :, cols])
+                for layer in cache.layers
+            ]
+            self.prefixes.store(self._prefix_key(head), head.prompt, kv)
+        of_head = [i for i, rows in enumerate(groups.values()) for _ in rows]
+        rows = [row for group in groups.values() for row in group]
+        self._sample(rows, logits[of_head])
+        for row in rows:
+            if row.finish is not None:
+                row.job.future.set_result(row.result())
+        going = [i for i, row in enumerate(rows) if row.finish is None]
+        if going:
+            index = torch.tensor([of_head[i] for i in going], device=mask.device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+            batch.join([rows[i] for i in going], cache, mask.index_select(0, index))
 
-    def _prefill_one(self, row: Row) -> tuple[Any, torch.Tensor]:
-        """One prompt's cache (one row, every prompt position) and its last logits [1, V]."""
-        prompt = row.prompt
-        key = self._prefix_key(row)
-        reused, kv = self.prefixes.lookup(key, prompt)
-        past = None if kv is None else DynamicCache(ddp_cache_data=kv)
+    def _prefill_prompts(self, rows: list[Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward over the prompts of `rows`, each after its stored prefix: (the cache,
+        [rows, width], its mask, 1 where a row has a position, and each row's last logits).
+
+        Row i's positions: its reused prefix, left-padded to the longest reused prefix,
+        then the rest of its prompt, left-padded to the longest rest; positions count
+        from 0 at its first token, so the padding between the two parts is masked out
+        and changes nothing.
+        """
+        found = [self.prefixes.lookup(self._prefix_key(r), r.prompt) for r in rows]
+        reused = max(n for n, _ in found)
+        rest = max(len(r.prompt) - n for r, (n, _) in zip(rows, found, strict=True))
         device = self.device
-        with self._adapters.routing([row.adapter]):
+        ids = torch.full((len(rows), rest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), reused + rest), dtype=torch.long)
+        positions = torch.zeros((len(rows), rest), dtype=torch.long)
+        for i, (row, (n, _)) in enumerate(zip(rows, found, strict=True)):
+            tail = row.prompt[n:]
+            ids[i, rest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
+            positions[i, rest - len(tail) :] = torch.arange(n, len(row.prompt))
+            mask[i, reused - n : reused] = 1
+            mask[i, reused + rest - len(tail) :] = 1
+        past = None
+        if reused:
+            past = DynamicCache(ddp_cache_data=_left_padded([kv for _, kv in found], reused))
+        with self._adapters.routing([r.adapter for r in rows]):
             out = self.model(
-                input_ids=torch.tensor([prompt[reused:]], dtype=torch.long, device=device),
-                attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
-                position_ids=torch.arange(reused, len(prompt), device=device)[None],
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
                 past_key_values=past,
                 use_cache=True,
                 logits_to_keep=1,
             )
-        cache = out.past_key_values
-        self.prefixes.store(key, prompt, [(layer.keys, layer.values) for layer in cache.layers])
-        return cache, out.logits[:, -1, :]
+        return out.past_key_values, mask.to(device), out.logits[:, -1, :]
 
     def _prefix_key(self, row: Row) -> PrefixKey:
         """The weights that compute `row`'s prompt now."""
@@ -659,3 +678,22 @@ def _kv_bytes_per_token(config: Any) -> int:
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * int(text.num_hidden_layers) * int(heads) * int(head_dim) * 4
+
+
+def _left_padded(found: list[Any], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the stored prefixes of several rows (None: no prefix) as one batch,
+    each left-padded with zeros to `width` positions."""
+    template = next(kv for kv in found if kv is not None)
+    layers = []
+    for layer, (k0, _) in enumerate(template):
+        keys, values = [], []
+        for kv in found:
+            if kv is None:
+                k = v = k0.new_zeros((1, k0.shape[1], 0, k0.shape[3]))
+            else:
+                k, v = kv[layer]
+            pad = k0.new_zeros((1, k0.shape[1], width - k.shape[2], k0.shape[3]))
+            keys.append(torch.cat([pad, k], dim=2))
+            values.append(torch.cat([pad, v], dim=2))
+        layers.append((torch.cat(keys), torch.cat(values)))
+    return layers

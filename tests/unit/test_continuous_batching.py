@@ -100,23 +100,22 @@ async def test_a_row_joins_a_running_batch_and_computes_as_if_alone(
 async def test_a_group_prefills_its_prompt_once_and_each_row_samples_its_own(
     backend: LocalBackend, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Four rows of one prompt (a GRPO group) arriving together: one prefill, and each row's
-    tokens are those of the same seed alone."""
-    prefills = 0
-    real = backend._prefill_one
+    """Four rows of one prompt (a GRPO group) arriving together: one prefill row, and each
+    row's tokens are those of the same seed alone."""
+    prefills: list[int] = []  # rows of each prefill forward
+    real = backend._prefill_prompts
 
-    def count(row):
-        nonlocal prefills
-        prefills += 1
-        return real(row)
+    def count(rows):
+        prefills.append(len(rows))
+        return real(rows)
 
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in range(4)]
     alone = [await backend.generate(GenerateRequest(prompts[3], p)) for p in params]
     backend.prefixes.drop(everything=True)
-    monkeypatch.setattr(backend, "_prefill_one", count)
+    monkeypatch.setattr(backend, "_prefill_prompts", count)
     calls = [backend.generate(GenerateRequest(prompts[3], p)) for p in params]
     group = await asyncio.gather(*calls)
-    assert prefills == 1
+    assert prefills == [1]
     assert [g.output_token_ids for g in group] == [a.output_token_ids for a in alone]
     assert len({tuple(g.output_token_ids) for g in group}) > 1  # the rows are not copies
     for g in group:
@@ -249,3 +248,27 @@ def test_the_prefix_cache_evicts_the_least_recently_used_past_its_size() -> None
     assert cache.lookup(key, prompts[0][:MIN_REUSE]) == (0, None)  # too short to reuse
     cache.drop(everything=True)
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+async def test_rows_with_and_without_a_stored_prefix_prefill_together(
+    backend: LocalBackend, prompts: list[list[int]], tiny_model_dir: Path
+) -> None:
+    """One forward prefills a row that reuses a long prefix, one that reuses a short one and
+    one that reuses none (padding between each row's two parts); each computes as alone."""
+    template = ChatTemplate(tiny_model_dir)
+    first = await backend.generate(GenerateRequest(prompts[0], _greedy(6)))
+    rows = [
+        prompts[0] + first.output_token_ids + prompts[1][-6:],  # all of turn 1 reused
+        prompts[2],  # the system prompt reused
+        template.render([{"role": "user", "content": "no system prompt here at all"}]),
+    ]
+    hits = backend.prefixes.hits
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    together = await asyncio.gather(*(backend.generate(GenerateRequest(p, sampled)) for p in rows))
+    assert backend.prefixes.hits == hits + 2
+    for prompt, r in zip(rows, together, strict=True):
+        assert _close(r.output_logprobs, _recomputed(backend.model, prompt, r.output_token_ids))
+    backend.prefixes.drop(everything=True)
+    for prompt, r in zip(rows, together, strict=True):  # alone, nothing reused: same tokens
+        alone = await backend.generate(GenerateRequest(prompt, sampled))
+        assert alone.output_token_ids == r.output_token_ids
