@@ -123,7 +123,21 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(
         30.0, gt=0, description="a request body must arrive within this; slower: 408, closed"
     )
-    max_batch_size: int = Field(32, ge=1, description="local backend batch size")
+    max_batch_size: int = Field(
+        32, ge=1, description="rows the local backend decodes together at most"
+    )
+    kv_cache_mb: int = Field(
+        4096,
+        ge=1,
+        description="KV cache of the rows the local backend decodes, at most (MiB); a call "
+        "that would exceed it waits, one that alone exceeds it gets 429",
+    )
+    prefix_cache_mb: int = Field(
+        512,
+        ge=0,
+        description="KV cache of stored prompt prefixes the local backend reuses, at most "
+        "(MiB; least recently used out; 0: none)",
+    )
     eval_pinned_copies: int = Field(
         1,
         ge=0,

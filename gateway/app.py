@@ -187,6 +187,8 @@ async def build_services(state: State, settings: Settings, migrate: bool) -> Eng
         threads=settings.threads().backend,
         credentials=settings.server_credentials(),
         eval_pinned_copies=settings.eval_pinned_copies,
+        kv_cache_mb=settings.kv_cache_mb,
+        prefix_cache_mb=settings.prefix_cache_mb,
         swaps=make_server_swaps(url, settings.replica_config().load_retry_s),
     )
     celery = make_celery(settings.queue())

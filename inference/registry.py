@@ -60,8 +60,9 @@ class BackendKind:
     # remote: (url: str, version: int, credentials: ServerCredentials | None) -> Backend for
     # the server at `url`
     connect: Ref | None = None
-    # in-process: (weights dir, *, version, max_batch_size, decode, threads) -> Backend with
-    # .max_context (threads: torch threads of the thread that runs the model; 0: torch's)
+    # in-process: (weights dir, *, version, max_batch_size, decode, threads, kv_cache_bytes,
+    # prefix_cache_bytes) -> Backend with .max_context (threads: torch threads of the thread
+    # that runs the model; 0: torch's)
     load: Ref | None = None
     # (ServerConfig) -> argv starting the server; None: `rlgate inference serve` cannot start it
     server_command: Ref | None = None

@@ -108,15 +108,19 @@ class BackendPool:
         credentials: ServerCredentials | None = None,
         swaps: ServerSwaps | None = None,
         eval_pinned_copies: int = 1,
+        kv_cache_mb: int = 4096,
+        prefix_cache_mb: int = 512,
     ) -> None:
         """`swaps`: how a remote run's servers join this process's swaps (default: alone;
         on PostgreSQL, the barrier agreed with the other gateway processes).
-        `eval_pinned_copies`: extra full model copies pinned versions may hold (`pinned`)."""
+        `eval_pinned_copies`: extra full model copies pinned versions may hold (`pinned`).
+        `kv_cache_mb`, `prefix_cache_mb`: each in-process backend's KV caps (MiB)."""
         if eval_pinned_copies < 0:
             raise ValueError("eval_pinned_copies must be 0 or more")
         self.max_batch_size = max_batch_size
         self.credentials = credentials  # what remote runs' servers and weight server require
         self.threads = threads  # torch threads of an in-process backend (0: torch's default)
+        self.kv_cache_bytes, self.prefix_cache_bytes = kv_cache_mb << 20, prefix_cache_mb << 20
         self.sessions = sessions  # needed for remote runs (their replica URLs)
         self.replica_config = replica_config or ReplicaConfig()
         self._serving: dict[str, RunServing] = {}
@@ -393,6 +397,8 @@ class BackendPool:
             max_batch_size=self.max_batch_size,
             decode=template.decode,
             threads=self.threads,
+            kv_cache_bytes=self.kv_cache_bytes,
+            prefix_cache_bytes=self.prefix_cache_bytes,
         )
         logger.info("loaded %s (version %d) for serving", source, version)
         return RunServing(be, template, be.max_context, InPlaceSwap(be))
