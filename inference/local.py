@@ -233,6 +233,7 @@ class LocalBackend:
         # keep swaps waiting for the worker's next step (or its next idle moment)
         self._keep: collections.deque[_KeepWeights | _KeepAdapter] = collections.deque()
         self._keep_lock = threading.Lock()
+        self._waiting, self._waiting_lock = 0, threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="local-backend", daemon=True)
         self._closed = False
         self._thread.start()
@@ -320,14 +321,16 @@ class LocalBackend:
         if self._closed:
             raise BackendError("local backend is closed")
         if isinstance(item, Job):
-            if self._queue.qsize() >= self.max_pending:
-                raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
             if item.need * self._kv_token_bytes > self.kv_cache_bytes:
                 raise BackendOverloaded(
                     f"a prompt of {len(item.request.prompt_token_ids)} tokens and max_tokens "
                     f"{item.request.params.max_tokens} need more KV cache than this backend "
                     f"holds ({self.kv_cache_bytes >> 20} MiB)"
                 )
+            with self._waiting_lock:  # queued or in line, not yet decoding
+                if self._waiting >= self.max_pending:
+                    raise BackendOverloaded(f"{self.max_pending} requests are already waiting")
+                self._waiting += 1
         self._queue.put(item)
         return item.future
 
@@ -422,6 +425,8 @@ class LocalBackend:
             if full and (joining or batch.rows):  # a lone request fits (checked on submit)
                 break
             pending.popleft()
+            with self._waiting_lock:
+                self._waiting -= 1
             if not head.future.set_running_or_notify_cancel():
                 continue
             if head.cancelled.is_set():

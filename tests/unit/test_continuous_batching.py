@@ -8,6 +8,7 @@ The tiny model (random 2-layer Llama) on the CPU, no mocks.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -272,3 +273,33 @@ async def test_rows_with_and_without_a_stored_prefix_prefill_together(
     for prompt, r in zip(rows, together, strict=True):  # alone, nothing reused: same tokens
         alone = await backend.generate(GenerateRequest(prompt, sampled))
         assert alone.output_token_ids == r.output_token_ids
+
+
+async def test_requests_waiting_in_line_count_against_max_pending(
+    tiny_model_dir: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one row decoding (held) and a full batch, two more wait; a third is refused."""
+    backend = LocalBackend(tiny_model_dir, max_batch_size=1, max_pending=2, batch_wait_s=0.0)
+    held, release = threading.Event(), threading.Event()
+    real_step = backend._decode_step
+
+    def step(batch):
+        held.set()
+        release.wait(60)
+        return real_step(batch)
+
+    monkeypatch.setattr(backend, "_decode_step", step)
+    try:
+        first = backend.start_stream(GenerateRequest(prompts[0], _greedy(4)))
+        assert await asyncio.to_thread(held.wait, 60)
+        waiting = [backend.start_stream(GenerateRequest(p, _greedy(4))) for p in prompts[1:3]]
+        with pytest.raises(BackendOverloaded, match="already waiting"):
+            backend.start_stream(GenerateRequest(prompts[3], _greedy(4)))
+        release.set()
+        for s in [first, *waiting]:
+            assert len((await s.result()).output_token_ids) == 4
+        again = await backend.generate(GenerateRequest(prompts[3], _greedy(4)))  # room again
+        assert len(again.output_token_ids) == 4
+    finally:
+        release.set()
+        await backend.close()
