@@ -78,7 +78,7 @@ import torch
 from transformers import DynamicCache
 
 from inference.backend import BackendError, BackendOverloaded
-from inference.decode_batch import DecodeBatch, Job, Row
+from inference.decode_batch import DecodeBatch, Job, Row, growing
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.prefix_cache import PrefixCache, PrefixKey
 from inference.sampling import sample_batch
@@ -479,7 +479,7 @@ class LocalBackend:
             for layer in cache.layers:
                 layer.keys = layer.keys.index_select(0, index)
                 layer.values = layer.values.index_select(0, index)
-            batch.join([rows[i] for i in going], cache, mask.index_select(0, index))
+            batch.join([rows[i] for i in going], growing(cache), mask.index_select(0, index))
 
     def _prefill_prompts(self, rows: list[Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """One forward over the prompts of `rows`, each after its stored prefix: (the cache,
