@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request body must arrive within this; slower: 408, closed"
     )
     max_batch_size: int = Field(
-        32, ge=1, description="rows the local backend decodes together at most"
+        64, ge=1, description="rows the local backend decodes together at most"
     )
     kv_cache_mb: int = Field(
         4096,

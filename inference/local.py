@@ -199,7 +199,7 @@ class LocalBackend:
         self,
         model_dir: Path,
         version: int = 0,
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         batch_wait_s: float = 0.05,
         device: str = "cpu",
         decode: Callable[[list[int]], str] | None = None,
@@ -429,8 +429,10 @@ class LocalBackend:
                 self._waiting -= 1
             if not head.future.set_running_or_notify_cancel():
                 continue
-            if head.cancelled.is_set():
-                head.future.set_result(Row(head, None, self._version, None, None).result())
+            if head.cancelled.is_set():  # cancelled while in line: ends before it starts
+                row = Row(head, None, self._version, None, None)
+                row.finish = "cancelled"
+                head.future.set_result(row.result())
                 continue
             name = head.request.adapter
             adapter = None if name is None else self._adapters.snapshot({name}).get(name)

@@ -101,7 +101,7 @@ class BackendPool:
 
     def __init__(
         self,
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         sessions: async_sessionmaker[AsyncSession] | None = None,
         replica_config: ReplicaConfig | None = None,
         threads: int = 0,

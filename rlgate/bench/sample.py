@@ -284,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="torch threads of every target (0: torch's)"
     )
     p.add_argument(
-        "--max-batch-size", type=positive_int, default=32, help="the backend's (the gateway's)"
+        "--max-batch-size", type=positive_int, default=64, help="the backend's (the gateway's)"
     )
     p.add_argument("--rounds", type=positive_int, default=1, help="runs of each target")
     p.add_argument(
