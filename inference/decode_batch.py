@@ -174,23 +174,28 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n, add = self.keys.shape[-2], key_states.shape[-2]
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        n, add = keys.shape[-2], key_states.shape[-2]
+        k, v = self._k, self._v
         if (
-            self._k is None
-            or self._v is None
-            or self.keys.data_ptr() != self._k.data_ptr()
-            or self.keys.shape[:2] != self._k.shape[:2]
-            or n + add > self._k.shape[-2]
+            k is None
+            or v is None
+            or keys.data_ptr() != k.data_ptr()
+            or keys.shape[:2] != k.shape[:2]
+            or n + add > k.shape[-2]
         ):
             room = n + add + max(64, (n + add) // 4)
-            shape = (*self.keys.shape[:2], room, self.keys.shape[-1])
-            self._k, self._v = self.keys.new_empty(shape), self.values.new_empty(shape)
-            self._k[:, :, :n] = self.keys
-            self._v[:, :, :n] = self.values
-        self._k[:, :, n : n + add] = key_states
-        self._v[:, :, n : n + add] = value_states
-        self.keys, self.values = self._k[:, :, : n + add], self._v[:, :, : n + add]
-        return self.keys, self.values
+            shape = (*keys.shape[:2], room, keys.shape[-1])
+            k, v = keys.new_empty(shape), values.new_empty(shape)
+            k[:, :, :n] = keys
+            v[:, :, :n] = values
+            self._k, self._v = k, v
+        k[:, :, n : n + add] = key_states
+        v[:, :, n : n + add] = value_states
+        grown_k, grown_v = k[:, :, : n + add], v[:, :, : n + add]
+        self.keys, self.values = grown_k, grown_v
+        return grown_k, grown_v
 
 
 def growing(cache: Any) -> Any:

@@ -375,6 +375,7 @@ class LocalBackend:
                     barrier = pending.popleft()
                     if barrier is None:
                         return
+                    assert not isinstance(barrier, Job)
                     self._swap(barrier)
                 if not pending:
                     self._receive(self._queue.get(), pending)
