@@ -57,7 +57,8 @@ def _at_the_caps() -> list[str]:
 def _health_p99_while_streaming(
     gateway_server: GatewayServer, http: httpx.Client, run: dict, stop: list[str] | None
 ) -> float:
-    """/health's p99 latency while 3 streams of at least 100 events run (with `stop`)."""
+    """/health's p99 latency while 3 streams of at least 100 events run (with `stop`), from
+    at least 50 probes: the streams go on until both are true."""
     body = {
         "model": run["name"],
         "messages": USER,
@@ -67,18 +68,20 @@ def _health_p99_while_streaming(
         **({"stop": stop} if stop else {}),
     }
     streamed: list[int] = []
+    probed = threading.Event()  # the prober has its 50 samples
 
     def stream() -> None:
-        """Streams until 100 events went out: the random tiny model may sample its end-of-text
-        token early, so one request alone may end after a few tokens (at most 5 requests)."""
+        """Streams until 100 events went out and the prober has its samples: the random tiny
+        model may sample its end-of-text token early, so one request alone may end after a
+        few tokens (at most 20 requests)."""
         url, headers = gateway_server.url, http.headers
         events = 0
         with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
-            for _ in range(5):
+            for _ in range(20):
                 with c.stream("POST", "/v1/chat/completions", json=body) as resp:
                     assert resp.status_code == 200
                     events += sum(1 for line in resp.iter_lines() if line.startswith("data:"))
-                if events > 100:
+                if events > 100 and probed.is_set():
                     break
         streamed.append(events)
 
@@ -91,6 +94,8 @@ def _health_p99_while_streaming(
             t0 = time.perf_counter()
             assert probe.get("/health").status_code == 200
             latencies.append(time.perf_counter() - t0)
+            if len(latencies) >= 50:
+                probed.set()
             time.sleep(0.02)
     for t in threads:
         t.join()
