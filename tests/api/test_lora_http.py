@@ -52,6 +52,20 @@ def adapter_dir(root: Path, name: str) -> Path:
     return path
 
 
+def distinct_adapters(root: Path, runs: list[str]) -> list[Path]:
+    """One adapter directory per run whose stand-in tokens differ from each other's and the
+    base model's: the salt is a hash of run name and path, taken modulo the token span, so
+    two could collide (about 2% of tmp paths for three)."""
+    cfg = StubConfig()
+    span = cfg.vocab_size - cfg.token_base
+    for attempt in range(100):
+        paths = [root / f"{run}-{attempt}" for run in runs]
+        salts = {adapter_salt(r, str(p.resolve())) % span for r, p in zip(runs, paths, strict=True)}
+        if len(salts) == len(runs) and 0 not in salts:
+            return [adapter_dir(root, p.name) for p in paths]
+    raise AssertionError("no adapter paths with distinct salts")
+
+
 def serve(flavor: str, tmp_path: Path, *extra: str) -> Iterator[str]:
     port = free_port()
     proc = launch(flavor, port, extra=extra, log=tmp_path / f"{flavor}-{port}.log")
@@ -88,7 +102,7 @@ async def test_each_request_is_sampled_with_its_adapter_and_reports_its_version(
     flavor, url = server
     be = backend(flavor, url)
     assert isinstance(be, AdapterBackend)
-    a, b = adapter_dir(tmp_path, "a1"), adapter_dir(tmp_path, "b1")
+    a, b = distinct_adapters(tmp_path, ["run-a", "run-b"])
     await be.load_adapter("run-a", a, 3)
     await be.load_adapter("run-b", b, 7)
     assert be.adapters == {"run-a": 3, "run-b": 7} and be.adapter_version("run-c") is None
