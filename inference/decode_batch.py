@@ -100,9 +100,6 @@ class DecodeBatch:
         self.cache: Any = None  # a transformers DynamicCache, [rows, heads, width, head_dim]
         self.mask: torch.Tensor | None = None  # [rows, width], 1 where a row has a position
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def width(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[1])

@@ -396,7 +396,11 @@ class LocalBackend:
                 if recompute:
                     self._recompute_kv(batch, recompute)
 
-    def _receive(self, item: Job | _Swap | _AddHooks | _Wake | None, pending: Any) -> None:
+    def _receive(
+        self,
+        item: Job | _Swap | _AddHooks | _Wake | None,
+        pending: collections.deque[Job | _Swap | None],
+    ) -> None:
         """File one item of the queue: hooks now (no forward runs), keep swaps at the next
         point between steps, the rest in line."""
         if isinstance(item, _AddHooks):

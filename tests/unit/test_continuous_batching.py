@@ -57,6 +57,19 @@ def _recomputed(
     return logp.gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
 
 
+def _step_widths(backend: LocalBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each decode step `backend` runs from now on, filled as it runs."""
+    widths: list[int] = []
+    real_step = backend._decode_step
+
+    def step(batch):
+        widths.append(len(batch.rows))
+        return real_step(batch)
+
+    monkeypatch.setattr(backend, "_decode_step", step)
+    return widths
+
+
 def _close(got: list[float], ref: torch.Tensor) -> bool:
     return torch.allclose(torch.tensor(got), ref, atol=TOL, rtol=0)
 
@@ -69,14 +82,7 @@ async def test_a_row_joins_a_running_batch_and_computes_as_if_alone(
     logprobs equal a float32 recomputation."""
     solo = await backend.generate(GenerateRequest(prompts[1], _greedy(12)))
     backend.prefixes.drop(everything=True)
-    widths: list[int] = []
-    real_step = backend._decode_step
-
-    def step(batch):
-        widths.append(len(batch.rows))
-        return real_step(batch)
-
-    monkeypatch.setattr(backend, "_decode_step", step)
+    widths = _step_widths(backend, monkeypatch)
     long = backend.start_stream(GenerateRequest(prompts[0], _greedy(60)))
     tokens = long.tokens()
     for _ in range(5):  # the long row is decoding
@@ -201,14 +207,7 @@ async def test_the_kv_cap_makes_a_request_wait_and_refuses_one_that_never_fits(
     await probe.close()
     need = len(prompts[0]) + 30
     backend = LocalBackend(tiny_model_dir, kv_cache_bytes=int(need * 1.5) * per_token)
-    widths: list[int] = []
-    real_step = backend._decode_step
-
-    def step(batch):
-        widths.append(len(batch.rows))
-        return real_step(batch)
-
-    monkeypatch.setattr(backend, "_decode_step", step)
+    widths = _step_widths(backend, monkeypatch)
     try:
         with pytest.raises(BackendOverloaded, match="KV cache"):
             await backend.generate(GenerateRequest(prompts[0], _greedy(need * 2)))
