@@ -15,7 +15,8 @@ and at the final version, the held-out problems (never drawn for training)
 go through the run's `/eval` base_url, greedily, and their rewards are
 posted like any other. The gateway serves and scores them but never trains
 on them nor counts them against admission, so evaluating changes nothing in
-the training loop; it only adds one small batch of calls per evaluation.
+the training loop. They run beside the first wave that version samples, so
+the backend decodes them in the same batch instead of on their own.
 """
 
 from __future__ import annotations
@@ -79,18 +80,27 @@ class Wave:
     seconds: float
 
 
-async def _agent(client: openai.AsyncOpenAI, cfg: DemoConfig, problem, model: str):
-    resp = await client.chat.completions.create(
+async def _agent(client: openai.AsyncOpenAI, cfg: DemoConfig, problem, model: str, seed: int):
+    return await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": problem.prompt}],
         temperature=cfg.temperature,
         max_tokens=cfg.max_tokens,
+        seed=seed,
     )
-    return resp
+
+
+async def post_rewards(url: str, run: dict[str, Any], rewards: list[dict[str, Any]]) -> None:
+    """Rewards in one `POST /v1/rewards` (a list is stored all or nothing)."""
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {run['api_key']}"}, timeout=60
+    ) as http:
+        (await http.post("/v1/rewards", json=rewards)).raise_for_status()
 
 
 async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.Random) -> Wave:
-    """One wave of groups; every agent is a plain openai.AsyncOpenAI on a path-scoped base_url."""
+    """One wave of groups; every agent is a plain openai.AsyncOpenAI on a path-scoped base_url,
+    sampling with its own `seed`, drawn from `rng`."""
     t0 = time.perf_counter()
     calls, problems = [], []
     clients = []
@@ -107,21 +117,22 @@ async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.R
             )
             clients.append(client)
             problems.append(problem)
-            calls.append(_agent(client, cfg, problem, run["name"]))
+            # Each agent's own seed, drawn from the demo's: a row's tokens depend on its
+            # seed alone, never on its batch-mates, so a seed replays the same replies.
+            calls.append(_agent(client, cfg, problem, run["name"], rng.randrange(2**31)))
     responses = await asyncio.gather(*calls)
     rewards = [
         score(p, r.choices[0].message.content or "")
         for p, r in zip(problems, responses, strict=True)
     ]
-    async with httpx.AsyncClient(
-        base_url=url, headers={"Authorization": f"Bearer {run['api_key']}"}, timeout=60
-    ) as http:
-        for resp, reward in zip(responses, rewards, strict=True):
-            r = await http.post(
-                "/v1/rewards",
-                json={"completion_id": resp.id, "reward": reward, "idempotency_key": resp.id},
-            )
-            r.raise_for_status()
+    await post_rewards(
+        url,
+        run,
+        [
+            {"completion_id": resp.id, "reward": reward, "idempotency_key": resp.id}
+            for resp, reward in zip(responses, rewards, strict=True)
+        ],
+    )
     for c in clients:
         await c.close()
     tokens = sum(r.usage.completion_tokens for r in responses)
@@ -145,8 +156,10 @@ async def evaluate(
     (`/eval/episodes/{id}/v1`), answered greedily so that a version's figure
     does not depend on sampling luck, scored by the training reward, and
     rewarded through `POST /v1/rewards` like any episode. The demo evaluates a
-    version once and trains nothing meanwhile, so that version's row is this
-    evaluation's; a reply that spanned a swap would count apart, in no row.
+    version once, beside a training wave of the same version: that wave's
+    rewards can enqueue a step only once all its replies are in, and the swap
+    comes a train step later, so that version's row is this evaluation's; a
+    reply that spanned a swap would count apart, in no row.
     """
     tag = uuid.uuid4().hex[:8]
 
@@ -167,15 +180,14 @@ async def evaluate(
         return episode, score(problem, resp.choices[0].message.content or ""), _versions(resp)
 
     results = await asyncio.gather(*(attempt(i, p) for i, p in enumerate(heldout_problems())))
-    async with httpx.AsyncClient(
-        base_url=url, headers={"Authorization": f"Bearer {run['api_key']}"}, timeout=60
-    ) as http:
-        for episode, reward, _ in results:
-            r = await http.post(
-                "/v1/rewards",
-                json={"episode_id": episode, "reward": reward, "idempotency_key": episode},
-            )
-            r.raise_for_status()
+    await post_rewards(
+        url,
+        run,
+        [
+            {"episode_id": episode, "reward": reward, "idempotency_key": episode}
+            for episode, reward, _ in results
+        ],
+    )
     served = {v for _, _, versions in results if len(versions) == 1 for v in versions}
     r = await admin.get(f"/admin/v1/runs/{run['run_id']}/evals")
     r.raise_for_status()
@@ -263,14 +275,25 @@ async def _loop(
         steps: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
         evaluated: set[int] = set()  # versions whose held-out set has run
-        if cfg.eval_every:
-            await _evaluate_and_report(url, run, cfg, admin, evals)
-            evaluated.add(0)
+
+        async def wave_for(version: int, final: bool = False) -> Wave:
+            """A wave sampled by `version`, with that version's held-out evaluation beside
+            it when one is due: both sample from the same version, so the backend batches
+            them together instead of running the evaluation on its own."""
+            due = cfg.eval_every and version not in evaluated
+            if not due or not (final or version % cfg.eval_every == 0):
+                return await run_wave(url, run, cfg, rng)
+            evaluated.add(version)
+            wave, _ = await asyncio.gather(
+                run_wave(url, run, cfg, rng), _evaluate_and_report(url, run, cfg, admin, evals)
+            )
+            return wave
+
         converged = False
         for step in range(cfg.steps):
             rewards, tokens, gen_s = [], 0, 0.0
             for _ in range(cfg.max_waves_per_step):
-                wave = await run_wave(url, run, cfg, rng)
+                wave = await wave_for(step)
                 rewards += wave.rewards
                 tokens += wave.tokens
                 gen_s += wave.seconds
@@ -306,9 +329,6 @@ async def _loop(
                 f"| train {entry['train_tokens_per_s'] or 0:.0f} tok/s | loss {entry['loss']:+.4f}",
                 flush=True,
             )
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                await _evaluate_and_report(url, run, cfg, admin, evals)
-                evaluated.add(step + 1)
             if plateaued([s["reward_mean"] for s in steps], cfg.min_gain, cfg.patience):
                 print(
                     f"learned; no new best reward in {cfg.patience} versions: "
@@ -316,12 +336,11 @@ async def _loop(
                 )
                 break
         final_version = len(steps)
-        if cfg.eval_every and final_version not in evaluated:
-            # Before the final wave: its rewards may enqueue one more step, whose swap would
-            # then serve part of the evaluation.
-            await _evaluate_and_report(url, run, cfg, admin, evals)
-        if not converged:  # measure the last version too; a converged loop just measured it
-            final = await run_wave(url, run, cfg, rng)
+        if converged:  # the last waves measured the final version; evaluate it alone
+            if cfg.eval_every and final_version not in evaluated:
+                await _evaluate_and_report(url, run, cfg, admin, evals)
+        else:  # measure the last version too, its evaluation beside the wave
+            final = await wave_for(final_version, final=True)
             rewards = final.rewards
         steps.append(
             {

@@ -77,9 +77,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
     wait_ready(url, proc, timeout_s, poll_s=0.2)
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
-    if proc.poll() is None:
+def stop(*procs: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM to every process still running, then wait for each (SIGKILL after
+    `timeout_s`): they shut down side by side, not one after the other."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
         proc.terminate()
+    for proc in running:
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -105,8 +109,7 @@ def stack_processes(
         wait_healthy(url, gateway, timeout_s=timeout_s)
         yield url, gateway
     finally:
-        stop(gateway)
-        stop(worker)
+        stop(gateway, worker)
 
 
 @contextlib.contextmanager

