@@ -80,6 +80,7 @@ from transformers import DynamicCache
 from inference.backend import BackendError, BackendOverloaded
 from inference.decode_batch import DecodeBatch, Job, Row, growing
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
+from inference.models import own_memory
 from inference.prefix_cache import PrefixCache, PrefixKey
 from inference.sampling import sample_batch
 from inference.stop_strings import TextStop
@@ -221,6 +222,8 @@ class LocalBackend:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub
+        if self.device.type == "cpu":  # hot swaps write every weight (`own_memory`)
+            own_memory(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
         self._version = version
         self._adapters = AdapterBank(self.model)

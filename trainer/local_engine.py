@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from inference.models import own_memory
 from trainer.batch import Batch, Sample
 from trainer.engine import Engine, read_optimizer_file, save_optimizer_file
 from trainer.hf_io import publish_checkpoint
@@ -36,6 +37,8 @@ class LocalEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if train:  # the frozen reference is only read: its pages can stay mapped
+            own_memory(lm)
         lm.train(train)
         lm.requires_grad_(train)
         return PolicyLogits(self.with_adapter(lm, train=train))
