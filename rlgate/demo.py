@@ -467,7 +467,7 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     from inference import registry
     from inference.models import resolve_model
 
-    print("preparing the model (SmolLM2 is converted once, about 20 s) ...", flush=True)
+    print("preparing the model (SmolLM2 is converted once, about 10 s) ...", flush=True)
     resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
     with contextlib.ExitStack() as stack:
         replicas = None

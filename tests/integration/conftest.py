@@ -101,7 +101,7 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory) -> Path:
-    """SmolLM2-135M converted once per session (about 20 s), with the hub switched off."""
+    """SmolLM2-135M converted once per session (about 10 s), with the hub switched off."""
     from inference.models import resolve_model
 
     cache = tmp_path_factory.mktemp("smollm2")
