@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -468,13 +469,17 @@ def run_demo(cfg: DemoConfig, base: Settings) -> int:
     from inference.models import resolve_model
 
     print("preparing the model (SmolLM2 is converted once, about 10 s) ...", flush=True)
-    resolve_model(cfg.model, settings.models_dir)  # convert once, before the gateway needs it
-    with contextlib.ExitStack() as stack:
+    # The conversion runs while the gateway and the worker start: neither needs the model
+    # before the run is created. An inference server loads it as it starts, so waits for it.
+    with ThreadPoolExecutor(1) as convert, contextlib.ExitStack() as stack:
+        model = convert.submit(resolve_model, cfg.model, settings.models_dir)
         replicas = None
         if registry.get(cfg.backend).remote:
+            model.result()
             replicas = [stack.enter_context(_inference_server(cfg, settings))]
         print("starting the gateway and a Celery worker ...", flush=True)
         url = stack.enter_context(embedded_stack(settings, "127.0.0.1", cfg.port, cfg.out / "logs"))
+        model.result()  # converted before the run that serves it is created
         result = asyncio.run(_loop(url, settings.admin_key, cfg, replicas))
     summary = summarize(cfg, result["steps"])
     summary["run_id"] = result["run_id"]
