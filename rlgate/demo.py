@@ -99,17 +99,19 @@ async def post_rewards(url: str, run: dict[str, Any], rewards: list[dict[str, An
         (await http.post("/v1/rewards", json=rewards)).raise_for_status()
 
 
-async def run_wave(url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.Random) -> Wave:
+async def run_wave(
+    url: str, run: dict[str, Any], cfg: DemoConfig, rng: random.Random, ids: random.Random
+) -> Wave:
     """One wave of groups; every agent is a plain openai.AsyncOpenAI on a path-scoped base_url,
-    sampling with its own `seed`, drawn from `rng`."""
+    sampling with its own `seed`, drawn from `rng`. Group and episode ids come from `ids`."""
     t0 = time.perf_counter()
     calls, problems = [], []
     clients = []
     for _ in range(cfg.groups_per_step):
         problem = make_problem(rng)
-        group = "g-" + uuid.uuid4().hex[:12]
+        group = f"g-{ids.getrandbits(48):012x}"
         for _ in range(cfg.group_size):
-            episode = "e-" + uuid.uuid4().hex[:12]
+            episode = f"e-{ids.getrandbits(48):012x}"
             client = openai.AsyncOpenAI(
                 base_url=f"{url}/groups/{group}/episodes/{episode}/v1",
                 api_key=run["api_key"],
@@ -249,6 +251,9 @@ async def _loop(
     url: str, admin_key: str, cfg: DemoConfig, replicas: list[str] | None = None
 ) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
+    # Ids drawn from the seed too: groups whose first replies were stored in the same
+    # batch tie on time, and the batch policy then takes them in id order.
+    ids = random.Random(f"ids-{cfg.seed}")
     headers = {"Authorization": f"Bearer {admin_key}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as admin:
         run_cfg = {
@@ -283,10 +288,10 @@ async def _loop(
             them together instead of running the evaluation on its own."""
             due = cfg.eval_every and version not in evaluated
             if not due or not (final or version % cfg.eval_every == 0):
-                return await run_wave(url, run, cfg, rng)
+                return await run_wave(url, run, cfg, rng, ids)
             evaluated.add(version)
             wave, _ = await asyncio.gather(
-                run_wave(url, run, cfg, rng), _evaluate_and_report(url, run, cfg, admin, evals)
+                run_wave(url, run, cfg, rng, ids), _evaluate_and_report(url, run, cfg, admin, evals)
             )
             return wave
 
