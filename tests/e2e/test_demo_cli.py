@@ -79,3 +79,42 @@ def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert rows == [("eval", 8 * len(held), 8 * len(held), 0)], rows
+
+
+def _tiny_demo(out: Path, cache: Path, seed: int) -> subprocess.CompletedProcess:
+    args = ["--model", "tiny", "--steps", "1", "--groups-per-step", "1", "--max-waves", "24"]
+    args += ["--eval-every", "0", "--seed", str(seed), "--out", str(out), "--port", "0"]
+    return subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "demo", *args],
+        env=dict(os.environ, RLGATE_DATA_DIR=str(cache)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _stored(out: Path) -> dict[str, tuple]:
+    """Each training episode's group, train step and sampled tokens, by episode id."""
+    conn = sqlite3.connect(f"file:{out / 'state' / 'rlgate.db'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT e.id, e.group_id, e.train_step, c.output_token_ids FROM episodes e "
+            "JOIN completions c ON c.run_id = e.run_id AND c.episode_id = e.id"
+        ).fetchall()
+    finally:
+        conn.close()
+    return {ep: (group, step, tokens) for ep, group, step, tokens in rows}
+
+
+def test_one_seed_gives_one_run(tmp_path: Path) -> None:
+    """Two demos of one seed call with the same ids, sample the same tokens (the random tiny
+    model would differ on every call unseeded) and train the same groups; another seed
+    differs."""
+    cache = tmp_path / "cache"
+    runs = [_tiny_demo(tmp_path / f"demo{i}", cache, seed) for i, seed in enumerate((3, 3, 4))]
+    for proc in runs:
+        assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    first, again, other = (_stored(tmp_path / f"demo{i}") for i in range(3))
+    assert len(first) >= 6 and first == again
+    assert any(step is not None for _, step, _ in first.values())  # a step trained
+    assert not first.keys() & other.keys()
