@@ -286,8 +286,8 @@ async def _loop(
             """A wave sampled by `version`, with that version's held-out evaluation beside
             it when one is due: both sample from the same version, so the backend batches
             them together instead of running the evaluation on its own."""
-            due = cfg.eval_every and version not in evaluated
-            if not due or not (final or version % cfg.eval_every == 0):
+            due = final or version % cfg.eval_every == 0 if cfg.eval_every else False
+            if not due or version in evaluated:
                 return await run_wave(url, run, cfg, rng, ids)
             evaluated.add(version)
             wave, _ = await asyncio.gather(

@@ -14,6 +14,15 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
+def _query(out: Path, sql: str) -> list[tuple]:
+    """`sql`'s rows from a demo's store, opened read-only."""
+    conn = sqlite3.connect(f"file:{out / 'state' / 'rlgate.db'}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
 def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     env = dict(os.environ, RLGATE_DATA_DIR=str(tmp_path / "cache"))
@@ -70,14 +79,11 @@ def test_demo_writes_contract_outputs(tmp_path: Path) -> None:
     for e in held:
         assert f"held-out v{e['version']}: reward {e['mean_reward']:.3f}" in proc.stdout
     # The store holds them as evaluation episodes, rewarded and never in a train step.
-    conn = sqlite3.connect(f"file:{out / 'state' / 'rlgate.db'}?mode=ro", uri=True)
-    try:
-        rows = conn.execute(
-            "SELECT status, COUNT(*), COUNT(reward), COUNT(train_step) FROM episodes "
-            "WHERE id LIKE 'eval-%' GROUP BY status"
-        ).fetchall()
-    finally:
-        conn.close()
+    rows = _query(
+        out,
+        "SELECT status, COUNT(*), COUNT(reward), COUNT(train_step) FROM episodes "
+        "WHERE id LIKE 'eval-%' GROUP BY status",
+    )
     assert rows == [("eval", 8 * len(held), 8 * len(held), 0)], rows
 
 
@@ -95,14 +101,11 @@ def _tiny_demo(out: Path, cache: Path, seed: int) -> subprocess.CompletedProcess
 
 def _stored(out: Path) -> dict[str, tuple]:
     """Each training episode's group, train step and sampled tokens, by episode id."""
-    conn = sqlite3.connect(f"file:{out / 'state' / 'rlgate.db'}?mode=ro", uri=True)
-    try:
-        rows = conn.execute(
-            "SELECT e.id, e.group_id, e.train_step, c.output_token_ids FROM episodes e "
-            "JOIN completions c ON c.run_id = e.run_id AND c.episode_id = e.id"
-        ).fetchall()
-    finally:
-        conn.close()
+    rows = _query(
+        out,
+        "SELECT e.id, e.group_id, e.train_step, c.output_token_ids FROM episodes e "
+        "JOIN completions c ON c.run_id = e.run_id AND c.episode_id = e.id",
+    )
     return {ep: (group, step, tokens) for ep, group, step, tokens in rows}
 
 
