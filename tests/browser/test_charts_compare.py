@@ -14,7 +14,7 @@ import sqlite3
 
 import pytest
 
-from tests.browser.test_dashboard import _login, chart_points
+from tests.browser.test_dashboard import _login, chart_points, submit
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -170,18 +170,18 @@ def test_episode_filters_and_group_view(browser, real_run, shoot) -> None:
     assert listed() == set(real_run.episodes)
     page.fill("#episode-filters input[name=reward_min]", "0.5")
     page.fill("#episode-filters input[name=version]", "1")
-    page.click("#episode-filters button[type=submit]")
+    submit(page, "#episode-filters")
     assert listed() == {"s1-g0-e1", "s1-g1-e1"}
     assert "reward_min=0.5" in page.url and "version=1" in page.url
     # by sampled length: the page agrees with the admin API's token counts
     page.goto(f"{real_run.url}/dashboard/runs/{run_id}")
     cut = sorted(tokens.values())[len(tokens) // 2]
     page.fill("#episode-filters input[name=length_min]", str(cut))
-    page.click("#episode-filters button[type=submit]")
+    submit(page, "#episode-filters")
     assert listed() == {e for e, n in tokens.items() if n >= cut}
     # drift: the tiny model's template never drifts
     page.select_option("#episode-filters select[name=drift]", "true")
-    page.click("#episode-filters button[type=submit]")
+    submit(page, "#episode-filters")
     assert listed() == set()
     page.goto(f"{real_run.url}/dashboard/runs/{run_id}?drift=maybe")
     assert "drift" in page.inner_text(".error")  # a bad value is a message, not a 500

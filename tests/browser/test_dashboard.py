@@ -20,11 +20,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CHARTS = ("reward_mean", "loss", "kl", "entropy", "clip_frac", "staleness_mean", "tokens_per_s")
 
 
+def submit(page, form: str) -> None:
+    """Submit `form` and wait for the page it leads to: a plain form posts and navigates,
+    and reading the page before that navigation lands reads the old page (or none)."""
+    with page.expect_navigation():
+        page.click(f"{form} button[type=submit]")
+
+
 def _login(page, url: str, key: str = ADMIN_KEY) -> None:
     page.goto(f"{url}/dashboard/")
     assert page.url.endswith("/dashboard/login")  # no session: sent to the login form
     page.fill("input[name=admin_key]", key)
-    page.click("#login-form button[type=submit]")
+    submit(page, "#login-form")
 
 
 def chart_points(page, name: str) -> list[int]:
@@ -40,7 +47,7 @@ def test_login_run_charts_episode_tokens_pause_resume(browser, real_run, shoot) 
     _login(page, real_run.url, "not-the-key")
     assert "wrong admin key" in page.inner_text(".error")
     page.fill("input[name=admin_key]", ADMIN_KEY)
-    page.click("#login-form button[type=submit]")
+    submit(page, "#login-form")
     page.wait_for_selector(f"tr[data-run='{run_id}']")
     # reward sparkline from the two finished steps, drawn by uPlot
     spark = page.wait_for_selector(f"tr[data-run='{run_id}'] .spark canvas", state="attached")
@@ -100,7 +107,7 @@ def test_create_run_from_the_ui(browser, real_run) -> None:
     _login(page, real_run.url)
     page.fill("#create-run input[name=name]", "ui-made")
     page.fill("#create-run input[name=config]", '{"group_size": 3}')
-    page.click("#create-run button[type=submit]")
+    submit(page, "#create-run")
     key = page.inner_text("#new-key")  # shown once
     with real_run.admin() as admin:
         made = [r for r in admin.get("/admin/v1/runs").json() if r["name"] == "ui-made"]
@@ -111,7 +118,7 @@ def test_create_run_from_the_ui(browser, real_run) -> None:
     page.goto(f"{real_run.url}/dashboard/")
     page.fill("#create-run input[name=name]", "ui-bad")
     page.fill("#create-run input[name=config]", '{"group_size": 1}')
-    page.click("#create-run button[type=submit]")
+    submit(page, "#create-run")
     assert "group_size" in page.inner_text(".error")
     with real_run.admin() as admin:
         assert not [r for r in admin.get("/admin/v1/runs").json() if r["name"] == "ui-bad"]
