@@ -23,6 +23,7 @@ from gateway.admin.state import close_admin_services, install_admin_services
 from gateway.agent.capture import CaptureWriter
 from gateway.agent.completions import ChatService
 from gateway.agent.episodes import EVAL_PREFIX
+from gateway.agent.policies import PolicyRuns
 from gateway.agent.rewards import RewardService
 from gateway.agent.run_status import RunStatusService
 from gateway.control.admission import Admission
@@ -221,9 +222,13 @@ async def build_services(state: State, settings: Settings, migrate: bool) -> Eng
     capture.start()
     state.capture = capture
     admission = Admission(sessions, pool.serving_version)
-    state.chat = ChatService(sessions, pool, capture, admission, reads=call_sessions)
+    state.policies = PolicyRuns(sessions, settings.auth_cache_ttl_s)
+    state.run_keys.listeners.append(state.policies.invalidate)  # admin writes reach both
+    state.chat = ChatService(
+        sessions, pool, capture, admission, reads=call_sessions, policies=state.policies
+    )
     state.run_status = RunStatusService(sessions, admission)
-    state.rewards = RewardService(sessions)
+    state.rewards = RewardService(sessions, state.policies)
     state.runs = (RemoteOnlyRuns if shared else RunService)(
         sessions, pool, settings.models_dir, local_trainer=not settings.broker_url
     )

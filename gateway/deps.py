@@ -10,7 +10,7 @@ from fastapi import Depends, Path, Request
 from core.store.models import Run
 from gateway.agent.episodes import EVAL_PREFIX, VERSION_HEADER, EpisodeRef
 from gateway.dashboard.auth import LoginRequired, Session, active_session, require_session
-from gateway.errors import AuthenticationFailed, InvalidRequest, NotFound
+from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.identifiers import id_from_header
 from gateway.keys import DEV_KEY_OFF_LOOPBACK, admin_key_matches, dev_key_refused
 from gateway.middleware.identity import authenticated_run, identity_of
@@ -47,18 +47,14 @@ async def require_admin(request: Request) -> None:
         raise AuthenticationFailed(DEV_KEY_OFF_LOOPBACK, code="dev_admin_key_off_loopback")
 
 
-def check_request(run: Run, body: AgentRequest, kind: str) -> None:
+async def check_request(request: Request, run: Run, body: AgentRequest, kind: str) -> Run:
     """What every agent request gets first: unknown fields logged and ignored (as OpenAI's
     clients send fields before rlgate knows them), then its `model` checked against the key's
-    run: the run's name, its model as given, or its id."""
+    run (its name, its model as given, or its id) or, where the run declares policies,
+    resolved to the policy's run (`gateway.agent.policies`). Returns the run that serves it."""
     if body.unknown_fields():
         logger.info("ignoring unknown %s fields: %s", kind, body.unknown_fields())
-    if body.model not in (run.name, run.model, run.id):
-        raise NotFound(
-            f"model {body.model!r} is not served for this key; use {run.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    return await request.app.state.policies.serving_run(run, body.model)
 
 
 async def episode_ref(request: Request) -> EpisodeRef:

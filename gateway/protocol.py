@@ -22,6 +22,7 @@ from pydantic import (
 
 from gateway.request_caps import CAPS, check_parts, check_stop
 from inference import registry
+from trainer.config import POLICY_NAME
 
 
 def finite_or_none(v: float | None) -> float | None:
@@ -251,6 +252,8 @@ class RewardRequest(BaseModel):
     reward: float
     completion_id: str | None = Field(None, max_length=64)
     episode_id: str | None = Field(None, max_length=100)
+    # With episode_id, on a run with policies: only that policy's turns (docs/policies.md).
+    policy: str | None = Field(None, pattern=POLICY_NAME)
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
 
     @field_validator("reward")
@@ -272,6 +275,8 @@ class RewardRequest(BaseModel):
         # Neither is allowed here: under /episodes/{id}/v1 the path names the episode.
         if self.completion_id is not None and self.episode_id is not None:
             raise ValueError("give one of completion_id or episode_id, not both")
+        if self.policy is not None and self.completion_id is not None:
+            raise ValueError("policy goes with episode_id: a completion's reward is its policy's")
         return self
 
 
@@ -397,6 +402,9 @@ class RunPublic(BaseModel):
     calls_by_link: dict[str, int] = {}
     template_drift: int = 0
     created_at: str
+    # A policy's run (docs/policies.md): the run that declared it, and its name there.
+    parent_id: str | None = None
+    policy: str | None = None
 
 
 class RunCreated(RunPublic):

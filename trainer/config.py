@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -69,6 +70,24 @@ class TrackingConfig(BaseModel):
         if self.mlflow is False and self.mlflow_experiment is not None:
             raise ValueError("mlflow_experiment is set but mlflow is false: drop one of them")
         return self
+
+
+# A policy's name: the part after the last "/" of a call's `model` (`<run name>/<policy>`).
+POLICY_NAME = r"^[a-z0-9_-]{1,64}$"
+MAX_POLICIES = 64
+
+
+class PolicySpec(BaseModel):
+    """One trainable policy of a run: a LoRA adapter on the run's base with its own optimizer
+    and versions (docs/policies.md). Each unset field takes the run's value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_rank: int | None = Field(None, ge=1, le=256)
+    lora_alpha: float | None = Field(None, gt=0)
+    lora_target_modules: list[str] | None = Field(None, min_length=1)
+    lora_dropout: float | None = Field(None, ge=0, lt=1)
+    learning_rate: float | None = Field(None, gt=0)
 
 
 class RunConfig(BaseModel):
@@ -216,6 +235,12 @@ class RunConfig(BaseModel):
         f"layer of the attention and MLP blocks ({', '.join(LORA_DEFAULT_TARGETS)})",
     )
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    # --- several trainable policies in one agent (see docs/policies.md)
+    policies: dict[str, PolicySpec] | None = Field(
+        None,
+        description="named policies, each a LoRA adapter with its own versions; an agent picks "
+        "one per call with model '<run name>/<policy>'; None: the run is one policy",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -250,7 +275,32 @@ class RunConfig(BaseModel):
                 "use 'disk' for LoRA adapters and megatron"
             )
         self._check_lora()
+        self._check_policies()
         return self
+
+    def _check_policies(self) -> None:
+        if self.policies is None:
+            return
+        if not 1 <= len(self.policies) <= MAX_POLICIES:
+            raise ValueError(f"policies takes 1 to {MAX_POLICIES} named policies")
+        for name in self.policies:
+            if not re.fullmatch(POLICY_NAME, name):
+                raise ValueError(f"policies: {name[:80]!r} is not a policy name ([a-z0-9_-]+)")
+        for name in self.policies:
+            self.policy_config(name)  # each policy's own settings must hold too
+
+    def policy_config(self, name: str) -> RunConfig:
+        """The configuration policy `name` trains under: the run's, with the policy's own
+        LoRA settings and learning rate; a policy is always a LoRA adapter."""
+        assert self.policies is not None and name in self.policies
+        own = self.policies[name].model_dump(exclude_none=True)
+        merged = self.model_dump() | own | {"policies": None}
+        if merged["lora_rank"] is None:
+            raise ValueError(
+                f"policies: {name!r} has no lora_rank: each policy is a LoRA adapter, "
+                "set lora_rank on the run or on the policy"
+            )
+        return RunConfig.model_validate(merged)
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:

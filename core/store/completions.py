@@ -66,17 +66,23 @@ CANDIDATES = 64
 ANCESTRY_LIMIT = 256
 
 
-def _of_run(stmt: Select, with_episode: bool) -> Select:
-    stmt = stmt.where(
-        Completion.run_id == bindparam("run_id"), Completion.created_at >= bindparam("since")
-    )
+def _of_run(stmt: Select, with_episode: bool, family: bool = False, array: bool = False) -> Select:
+    """Of the run `:run_id` (`family`: of any of the runs `:run_ids`, a run's policies;
+    `array`: one PostgreSQL array parameter, else an expanding IN)."""
+    if family and array:
+        stmt = stmt.where(Completion.run_id == any_(bindparam("run_ids", type_=ARRAY(String))))
+    elif family:
+        stmt = stmt.where(Completion.run_id.in_(bindparam("run_ids", expanding=True)))
+    else:
+        stmt = stmt.where(Completion.run_id == bindparam("run_id"))
+    stmt = stmt.where(Completion.created_at >= bindparam("since"))
     if with_episode:
         stmt = stmt.where(Completion.episode_id == bindparam("episode_id"))
     return stmt
 
 
 @functools.cache
-def candidates_stmt(with_episode: bool, array: bool = False) -> Select:
+def candidates_stmt(with_episode: bool, array: bool = False, family: bool = False) -> Select:
     """The run's newest completions (of `:episode_id`) since `:since` whose hash is one of
     `:hashes`, at most `CANDIDATES + 1`. Prebuilt once: building an ORM select per call
     cost more CPU than running it. `array`: `:hashes` is one PostgreSQL array parameter
@@ -86,15 +92,18 @@ def candidates_stmt(with_episode: bool, array: bool = False) -> Select:
         matches = Completion.conv_hash == any_(bindparam("hashes", type_=ARRAY(String)))
     else:
         matches = Completion.conv_hash.in_(bindparam("hashes", expanding=True))
-    stmt = _of_run(select(Completion).where(matches), with_episode)
+    stmt = _of_run(select(Completion).where(matches), with_episode, family, array)
     return stmt.order_by(Completion.created_at.desc()).limit(CANDIDATES + 1)
 
 
 @functools.cache
-def newest_with_hash_stmt(with_episode: bool) -> Select:
+def newest_with_hash_stmt(with_episode: bool, family: bool = False, array: bool = False) -> Select:
     """The run's newest completion (of `:episode_id`) since `:since` hashed `:hash`."""
     stmt = _of_run(
-        select(Completion).where(Completion.conv_hash == bindparam("hash")), with_episode
+        select(Completion).where(Completion.conv_hash == bindparam("hash")),
+        with_episode,
+        family,
+        array,
     )
     return stmt.order_by(Completion.created_at.desc()).limit(1)
 
@@ -151,6 +160,7 @@ async def find_by_conv_hash(
     episode_id: str | None,
     *,
     array: bool = False,
+    family: list[str] | None = None,
 ) -> Completion | None:
     """Of the run's completions (of `episode_id`, if given) since `since` whose messages plus
     answer hash to one of `hashes`, the newest of those with the highest rank (`hashes` maps
@@ -160,11 +170,14 @@ async def find_by_conv_hash(
         return None
     mine = episode_id is not None
     params = {"run_id": run_id, "hashes": list(hashes), "since": since, "episode_id": episode_id}
-    found = await rows(candidates_stmt(mine, array), params)
+    many = family is not None and len(family) > 1
+    if many:
+        params["run_ids"] = family
+    found = await rows(candidates_stmt(mine, array, many), params)
     if len(found) <= CANDIDATES:
         return best_candidate(found, hashes)
     for h in by_rank(hashes):
-        best = await rows(newest_with_hash_stmt(mine), params | {"hash": h})
+        best = await rows(newest_with_hash_stmt(mine, many, array), params | {"hash": h})
         if best:
             return best[0]
     return None

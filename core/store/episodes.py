@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from core.store.models import Completion, Episode, Reward, Run, as_utc
+from core.store.rewards import episode_posts_of
 from core.store.runs import bump_counter
 from core.store.status import PENDING_EPISODE, UNCONSUMED_EPISODE, UNGROUPED, EpisodeStatus
 
@@ -263,13 +264,10 @@ async def episode_reward_posts(
     """Episode -> its newest episode-level reward post (per-turn posts live on completions)."""
     if not episode_ids:
         return {}
+    posts = episode_posts_of(await session.get(Run, run_id), run_id)
     stmt = (
         select(Reward.episode_id, Reward.value)
-        .where(
-            Reward.run_id == run_id,
-            Reward.episode_id.in_(episode_ids),
-            Reward.completion_id.is_(None),
-        )
+        .where(posts, Reward.episode_id.in_(episode_ids))
         .order_by(Reward.id)
     )
     rows = (await session.execute(stmt)).all()
@@ -429,3 +427,15 @@ def step_episodes_sync(session: Session, run_id: str, step: int) -> list[Episode
         .order_by(Episode.group_id, Episode.id)
     )
     return list(session.execute(stmt).scalars().all())
+
+
+async def episode_group(session: AsyncSession, run_ids: list[str], episode_id: str) -> str | None:
+    """The group of episode `episode_id` in any of the runs `run_ids` (a run's policies share
+    episode ids, and an episode's group is the same in each); None: none of them has it."""
+    stmt = (
+        select(Episode.group_id)
+        .where(Episode.run_id.in_(run_ids), Episode.id == episode_id)
+        .order_by(Episode.created_at)
+        .limit(1)
+    )
+    return (await session.execute(stmt)).scalar_one_or_none()

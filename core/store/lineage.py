@@ -42,14 +42,20 @@ class Lineage:
                 yield completions.rows_on(s)
 
     async def parent(
-        self, run_id: str, hashes: dict[str, int], since: datetime, episode_id: str | None
+        self,
+        run_id: str,
+        hashes: dict[str, int],
+        since: datetime,
+        episode_id: str | None,
+        family: list[str] | None = None,
     ) -> Completion | None:
-        """`core.store.completions.find_by_conv_hash`: no connection if `hashes` is empty."""
+        """`core.store.completions.find_by_conv_hash`: no connection if `hashes` is empty.
+        `family`: the runs whose turns may share an episode (a run's policies)."""
         if not hashes:
             return None
         async with self._rows() as rows:
             return await completions.find_by_conv_hash(
-                rows, run_id, hashes, since, episode_id, array=self._pg is not None
+                rows, run_id, hashes, since, episode_id, array=self._pg is not None, family=family
             )
 
     async def ancestry(self, parent: Completion | None) -> list[Completion]:

@@ -59,6 +59,11 @@ class Run(Base):
     current_version: Mapped[int] = mapped_column(Integer, default=0)
     counters: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # A policy of a run (`RunConfig.policies`) is a run of its own: its LoRA adapter,
+    # versions, steps and episodes' turns. `parent_id` is the run whose keys and episode
+    # ids it shares, `policy` its name there; both null for every other run (migration 0011).
+    parent_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    policy: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class RunReplica(Base):
@@ -210,6 +215,8 @@ class Reward(Base):
     episode_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
     value: Mapped[float] = mapped_column(Float)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # A policy-scoped episode reward names its policy; null: every policy's turns.
+    policy: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

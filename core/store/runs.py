@@ -145,8 +145,16 @@ def run_tables() -> list[Table]:
     return [t for t in tables if "run_id" in t.c and t.name != Run.__tablename__]
 
 
+async def policy_runs(session: AsyncSession, parent_id: str) -> list[Run]:
+    """The runs of the policies of run `parent_id`, oldest (first declared) first."""
+    stmt = select(Run).where(Run.parent_id == parent_id).order_by(Run.created_at, Run.id)
+    return list((await session.execute(stmt)).scalars())
+
+
 async def delete_run(session: AsyncSession, run_id: str) -> None:
-    """The run and every row of it, inside the caller's transaction."""
+    """The run, its policies' runs and every row of them, inside the caller's transaction."""
+    for child in await policy_runs(session, run_id):
+        await delete_run(session, child.id)
     for table in run_tables():
         await session.execute(delete(table).where(table.c.run_id == run_id))
     await session.execute(delete(Run).where(Run.id == run_id))

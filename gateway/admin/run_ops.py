@@ -40,6 +40,7 @@ from core.store.runs import (
     bump_counter,
     checkpoint_of,
     delete_run,
+    policy_runs,
     policy_versions,
 )
 from core.store.steps import done_steps, step_in_flight
@@ -100,14 +101,17 @@ class RunAdmin:
                     f"run {run_id!r} is {run.status}: stop it before deleting it",
                     code="run_not_stopped",
                 )
-            if await step_in_flight(s, run_id) is not None:
-                raise Conflict(
-                    f"run {run_id!r} has a train step in flight: delete it once the step ends",
-                    code="step_in_flight",
-                )
+            ids = [run_id, *[p.id for p in await policy_runs(s, run_id)]]  # and its policies
+            for one in ids:
+                if await step_in_flight(s, one) is not None:
+                    raise Conflict(
+                        f"run {one!r} has a train step in flight: delete it once the step ends",
+                        code="step_in_flight",
+                    )
             await delete_run(s, run_id)
-        await self.pool.unload(run_id)
-        await asyncio.to_thread(shutil.rmtree, self.checkpoints.run_dir(run_id), True)
+        for one in ids:
+            await self.pool.unload(one)
+            await asyncio.to_thread(shutil.rmtree, self.checkpoints.run_dir(one), True)
         logger.info("deleted run %s", run_id)
 
     async def versions(self, run_id: str) -> list[PolicyVersionPublic]:

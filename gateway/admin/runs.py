@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from core.store.completions import call_stats
 from core.store.models import ApiKey, PolicyVersion, Run, RunReplica
 from core.store.replicas import replica_urls
-from core.store.runs import list_runs
+from core.store.runs import list_runs, policy_runs
 from core.store.steps import run_steps
 from gateway.control.backends import BackendPool
 from gateway.control.run_replicas import normalize_url, public_replicas
@@ -26,6 +26,25 @@ from inference.lora import missing_lora_targets
 from inference.models import resolve_model
 from trainer.config import RunConfig
 from trainer.submit import engine_unavailable
+
+
+def new_run(run_id: str, body: RunCreate, model_dir: Path, cfg: RunConfig) -> Run:
+    return Run(
+        id=run_id,
+        name=body.name,
+        model=body.model,
+        model_path=str(model_dir),
+        backend=body.backend,
+        status="active",
+        config=cfg.model_dump(),
+        current_version=0,
+        counters={},
+    )
+
+
+def policy_configs(cfg: RunConfig) -> dict[str, RunConfig]:
+    """Each declared policy's configuration, in declaration order (none: an empty dict)."""
+    return {name: cfg.policy_config(name) for name in cfg.policies or {}}
 
 
 class RunService:
@@ -49,7 +68,7 @@ class RunService:
             first = exc.errors()[0]
             param = "config." + ".".join(str(p) for p in first["loc"]) if first["loc"] else "config"
             if not first["loc"]:  # a cross-field check: its message starts with the option
-                option = str(first.get("ctx", {}).get("error", "")).split(" ", 1)[0]
+                option = str(first.get("ctx", {}).get("error", "")).split(" ", 1)[0].rstrip(":")
                 param = f"config.{option}" if option in RunConfig.model_fields else param
             raise InvalidRequest(f"{param}: {first['msg']}", param=param) from exc
         if self.local_trainer and (reason := engine_unavailable(cfg.engine)):
@@ -58,16 +77,9 @@ class RunService:
             model_dir = await asyncio.to_thread(resolve_model, body.model, self.models_dir)
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequest(str(exc), param="model") from exc
-        if cfg.lora:
-            missing = await asyncio.to_thread(
-                missing_lora_targets, model_dir, cfg.resolved_lora_targets()
-            )
-            if missing:
-                raise InvalidRequest(
-                    f"config.lora_target_modules: {body.model} has no Linear layer named "
-                    f"{', '.join(missing)}",
-                    param="config.lora_target_modules",
-                )
+        for target_cfg in [cfg, *policy_configs(cfg).values()]:
+            if target_cfg.lora:
+                await self._check_lora_targets(model_dir, body.model, target_cfg)
         if cfg.weight_sync == "collective" and body.backend not in registry.remote_names():
             raise InvalidRequest(
                 f"config.weight_sync: 'collective' sends weights to inference servers: "
@@ -81,24 +93,51 @@ class RunService:
         run_id = "run_" + uuid.uuid4().hex[:16]
         key = new_key()
         async with self.sessions.begin() as s:
-            run = Run(
-                id=run_id,
-                name=body.name,
-                model=body.model,
-                model_path=str(model_dir),
-                backend=body.backend,
-                status="active",
-                config=cfg.model_dump(),
-                current_version=0,
-                counters={},
-            )
+            run = new_run(run_id, body, model_dir, cfg)
             s.add(run)
             await s.flush()
             s.add(ApiKey(run_id=run_id, prefix=display_prefix(key), key_hash=hash_key(key)))
             s.add(PolicyVersion(run_id=run_id, version=0, checkpoint_path=str(model_dir)))
             s.add_all(RunReplica(run_id=run_id, url=u) for u in urls)
+            await self._add_policies(s, run, policy_configs(cfg), urls)
         public = await self.public(run, base_url)
         return RunCreated(**public.model_dump(), api_key=key)
+
+    async def _check_lora_targets(self, model_dir: Path, model: str, cfg: RunConfig) -> None:
+        missing = await asyncio.to_thread(
+            missing_lora_targets, model_dir, cfg.resolved_lora_targets()
+        )
+        if missing:
+            raise InvalidRequest(
+                f"config.lora_target_modules: {model} has no Linear layer named "
+                f"{', '.join(missing)}",
+                param="config.lora_target_modules",
+            )
+
+    @staticmethod
+    async def _add_policies(
+        s: AsyncSession, parent: Run, configs: dict[str, RunConfig], urls: builtins.list[str]
+    ) -> None:
+        """A run for each policy (docs/policies.md): the parent's model, backend and
+        replicas, the policy's configuration; no key of its own (the parent's keys pick it)."""
+        for name, cfg in configs.items():
+            child = Run(
+                id="run_" + uuid.uuid4().hex[:16],
+                name=f"{parent.name}/{name}",
+                model=parent.model,
+                model_path=parent.model_path,
+                backend=parent.backend,
+                status="active",
+                config=cfg.model_dump(),
+                current_version=0,
+                counters={},
+                parent_id=parent.id,
+                policy=name,
+            )
+            s.add(child)
+            await s.flush()
+            s.add(PolicyVersion(run_id=child.id, version=0, checkpoint_path=parent.model_path))
+            s.add_all(RunReplica(run_id=child.id, url=u) for u in urls)
 
     async def public(self, run: Run, base_url: str) -> RunPublic:
         serving = self.pool.loaded().get(run.id)
@@ -129,9 +168,11 @@ class RunService:
         """
         status = await self._set_status(run_id, action)
         if status == "stopped":
-            run = await self.get(run_id)
-            if RunConfig.model_validate(run.config).lora:
-                await self.pool.unload(run_id)
+            async with self.sessions() as s:
+                runs = [await s.get_one(Run, run_id), *await policy_runs(s, run_id)]
+            for run in runs:
+                if RunConfig.model_validate(run.config).lora:
+                    await self.pool.unload(run.id)
         return status
 
     async def _set_status(self, run_id: str, action: str) -> str:
@@ -150,6 +191,8 @@ class RunService:
                 run.status = after
             else:
                 raise NotFound(f"no action {action!r}: pause, resume or stop", param="action")
+            for child in await policy_runs(s, run_id):  # a run's policies follow it
+                child.status = run.status
             return run.status
 
     async def get(self, run_id: str) -> Run:

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from core.store.episodes import episode_group
 from core.store.lineage import Lineage
 from core.store.models import Completion, Episode, Run, stored_version_starts
 from core.store.runs import checkpoint_of, list_runs, policy_versions
@@ -33,6 +34,7 @@ from gateway.agent.episodes import (
     sampled_stream,
     with_sampled_answers,
 )
+from gateway.agent.policies import PolicyRuns
 from gateway.control.admission import Admission, run_unavailable
 from gateway.control.backends import BackendPool, PinUnsupported, RunServing
 from gateway.errors import APIError, InvalidRequest, Unavailable, backend_failure
@@ -83,10 +85,13 @@ class ChatService:
         capture: CaptureWriter | None = None,
         admission: Admission | None = None,
         reads: async_sessionmaker[AsyncSession] | None = None,
+        policies: PolicyRuns | None = None,
     ) -> None:
-        """`reads`: sessions for the placement's reads (`Lineage`), by default `sessions`."""
+        """`reads`: sessions for the placement's reads (`Lineage`), by default `sessions`.
+        `policies`: the runs of each run's policies, whose turns share episodes."""
         self.sessions = sessions
         self.pool = pool
+        self.policies = policies or PolicyRuns(sessions)
         self.admission = admission or Admission(sessions, pool.serving_version)
         # Without a started writer (no app lifespan) each store is its own transaction.
         self.capture = capture or CaptureWriter(sessions)
@@ -309,15 +314,29 @@ class ChatService:
         names a training episode is refused here already, before it samples (one read, on
         a path that is not the training hot path); a training call is not read for it.
         """
+        family = await self.policies.family(run) if run.parent_id is not None else None
         placement = await place(
-            self.lineage, run.id, ref, metadata, messages, cfg.prefix_match_window_s
+            self.lineage, run.id, ref, metadata, messages, cfg.prefix_match_window_s, family
         )
+        if family is not None and placement.group_id is None:
+            placement = await self._policy_placement(run, placement, family)
         if ref.evaluation and placement.parent is None and placement.link != "new":
             async with self.sessions() as s:
                 stored = await s.get(Episode, (run.id, placement.episode_id))
             if stored is not None and not stored.held_out:
                 raise split_conflict(placement.episode_id, evaluation=True)
         return placement
+
+    async def _policy_placement(
+        self, run: Run, placement: Placement, family: list[str]
+    ) -> Placement:
+        """A policy's first turn in an episode another policy of its run began: in that
+        episode's group, so that each policy's turns of one task are compared in one group."""
+        async with self.sessions() as s:
+            if await s.get(Episode, (run.id, placement.episode_id)) is not None:
+                return placement  # this policy's episode exists: its group stays
+            group = await episode_group(s, family, placement.episode_id)
+        return dataclasses.replace(placement, group_id=group) if group is not None else placement
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or

@@ -170,16 +170,18 @@ async def find_parent(
     window_s: float,
     *,
     evaluation: bool = False,
+    family: list[str] | None = None,
 ) -> Completion | None:
     """The completion whose messages + answer are the longest prefix of `messages`.
 
     Every candidate prefix (one per assistant message) is looked up in one query; a
     call with no assistant message reads nothing. `evaluation`: look among evaluation
-    conversations (`EVAL_SPACE`) instead of training ones.
+    conversations (`EVAL_SPACE`) instead of training ones. `family`: look among the
+    turns of every run listed (the policies of one run), not only `run_id`'s.
     """
     since = datetime.now(UTC) - timedelta(seconds=window_s)
     prefixes = assistant_prefix_hashes(messages, evaluation=evaluation)
-    return await lineage.parent(run_id, prefixes, since, episode_id)
+    return await lineage.parent(run_id, prefixes, since, episode_id, family)
 
 
 async def place(
@@ -189,10 +191,11 @@ async def place(
     metadata: dict[str, str] | None,
     messages: list[dict[str, Any]],
     window_s: float,
+    family: list[str] | None = None,
 ) -> Placement:
     episode_id, group_id, source = explicit_ids(ref, metadata)
     parent = await find_parent(
-        lineage, run_id, messages, episode_id, window_s, evaluation=ref.evaluation
+        lineage, run_id, messages, episode_id, window_s, evaluation=ref.evaluation, family=family
     )
     held_out = ref.evaluation
     if episode_id is not None:

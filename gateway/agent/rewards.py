@@ -10,15 +10,19 @@ from core.store.models import Completion, Episode, Reward, Run, utcnow
 from core.store.rewards import reward_by_idempotency_key
 from core.store.runs import bump_counter
 from core.store.status import PENDING_EPISODE, EpisodeStatus
-from gateway.errors import Conflict, NotFound, Unprocessable
+from gateway.agent.policies import PolicyRuns, declared_policies
+from gateway.errors import Conflict, InvalidRequest, NotFound, Unprocessable
 from gateway.protocol import RewardAck, RewardRequest
 from gateway.rows import from_row
 from trainer.config import RunConfig
 
 
 class RewardService:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], policies: PolicyRuns | None = None
+    ) -> None:
         self.sessions = sessions
+        self.policies = policies or PolicyRuns(sessions)
 
     async def post(self, run: Run, body: RewardRequest) -> RewardAck:
         return (await self.post_many(run, [body]))[0]
@@ -90,48 +94,57 @@ class RewardService:
                 )
 
     async def _apply(self, s: AsyncSession, run: Run, body: RewardRequest) -> RewardAck:
+        """Store the post under the key's run; apply it to the episode it names, in each
+        policy's run that has its turns (a run with policies: docs/policies.md)."""
+        runs = await self._targets(run, body)
         completion = None
         if body.completion_id is not None:
             completion = await s.get(Completion, body.completion_id)
-            if completion is None or completion.run_id != run.id:
+            if completion is None or completion.run_id not in runs:
                 raise NotFound(
                     f"no completion {body.completion_id!r} in this run", param="completion_id"
                 )
             episode_id = completion.episode_id
+            runs = [completion.run_id]
         elif body.episode_id is not None:
             episode_id = body.episode_id
         else:  # RewardRequest names exactly one target
             raise AssertionError("a reward without a completion_id or an episode_id")
-        episode = await s.get(Episode, (run.id, episode_id))
-        if episode is None:
-            raise NotFound(f"no episode {episode_id!r} in this run", param="episode_id")
+        episodes = [e for r in runs if (e := await s.get(Episode, (r, episode_id))) is not None]
+        if not episodes:
+            where = f"policy {body.policy!r} of this run" if body.policy else "this run"
+            raise NotFound(f"no episode {episode_id!r} in {where}", param="episode_id")
         row = Reward(
             run_id=run.id,
             completion_id=body.completion_id,
             episode_id=episode_id,
             value=body.reward,
             idempotency_key=body.idempotency_key,
+            policy=body.policy,
         )
         s.add(row)
-        if episode.status == EpisodeStatus.EVAL:
-            # Held out: scored, never trained. A later post revises the score.
-            if completion is not None:
-                completion.reward = body.reward
-            else:
-                episode.reward = body.reward
-                episode.rewarded_at = utcnow()
-        elif episode.status in PENDING_EPISODE:
-            if completion is not None:
-                completion.reward = body.reward
-            else:
-                episode.reward = body.reward
-            await s.flush()
-            await refresh_episode_status(s, episode)
-        else:
-            # Late: the episode is already queued, trained or dropped. Stored, not trained.
-            bump_counter(await s.get_one(Run, run.id), "late_rewards")
+        for episode in episodes:
+            await _reward_episode(s, episode, completion, body.reward)
         await s.flush()
-        return _ack(row, episode.status)
+        return _ack(row, episodes[0].status)
+
+    async def _targets(self, run: Run, body: RewardRequest) -> list[str]:
+        """The runs a reward may reach: the key's run, or its policies' runs (the one named
+        by `body.policy`, or all of them)."""
+        names = declared_policies(run)
+        if not names:
+            if body.policy is not None:
+                raise InvalidRequest("this run has no policies: drop policy", param="policy")
+            return [run.id]
+        policies = await self.policies.of(run.id)
+        if body.policy is None:
+            return [r.id for r in policies.values()]
+        if body.policy not in policies:
+            raise NotFound(
+                f"no policy {body.policy!r} in this run; it has {', '.join(names)}",
+                param="policy",
+            )
+        return [policies[body.policy].id]
 
     async def _replay(self, run: Run, body: RewardRequest, key: str) -> RewardAck | None:
         async with self.sessions() as s:
@@ -142,6 +155,7 @@ class RewardService:
                 prior.value == body.reward
                 and prior.completion_id == body.completion_id
                 and (body.episode_id is None or prior.episode_id == body.episode_id)
+                and prior.policy == body.policy
             )
             if not same:
                 raise Conflict(
@@ -149,8 +163,34 @@ class RewardService:
                     param="idempotency_key",
                     code="idempotency_conflict",
                 )
-            episode = await s.get(Episode, (run.id, prior.episode_id))
-            return _ack(prior, episode.status if episode else "unknown", duplicate=True)
+            episodes = [
+                await s.get(Episode, (r, prior.episode_id)) for r in await self._targets(run, body)
+            ]
+            status = next((e.status for e in episodes if e is not None), "unknown")
+            return _ack(prior, status, duplicate=True)
+
+
+async def _reward_episode(
+    s: AsyncSession, episode: Episode, completion: Completion | None, value: float
+) -> None:
+    """A reward on `completion` (else on the whole episode), as the episode's state allows."""
+    if episode.status == EpisodeStatus.EVAL:
+        # Held out: scored, never trained. A later post revises the score.
+        if completion is not None:
+            completion.reward = value
+        else:
+            episode.reward = value
+            episode.rewarded_at = utcnow()
+    elif episode.status in PENDING_EPISODE:
+        if completion is not None:
+            completion.reward = value
+        else:
+            episode.reward = value
+        await s.flush()
+        await refresh_episode_status(s, episode)
+    else:
+        # Late: the episode is already queued, trained or dropped. Stored, not trained.
+        bump_counter(await s.get_one(Run, episode.run_id), "late_rewards")
 
 
 def _ack(row: Reward, episode_status: str, duplicate: bool = False) -> RewardAck:

@@ -53,6 +53,8 @@ class RunKeyCache:
         self._lookup_slots = asyncio.Semaphore(max_lookups)
         self._entries: dict[str, tuple[Run, float]] = {}
         self._lookups: dict[str, asyncio.Future[Run | None]] = {}
+        # Other caches of run state, emptied with this one (`gateway.agent.policies`).
+        self.listeners: list[Callable[[], None]] = []
 
     def get(self, key_hash: str) -> Run | None:
         entry = self._entries.get(key_hash)
@@ -107,6 +109,8 @@ class RunKeyCache:
         self.generation += 1
         self._entries.clear()
         self._lookups.clear()  # lookups in flight read the old state: nobody new joins them
+        for listener in self.listeners:
+            listener()
 
 
 class InvalidateOnAdminWrite:

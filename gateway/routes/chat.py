@@ -27,7 +27,7 @@ async def chat_completions(
     request: Request,
     response: Response,
 ) -> ChatCompletion | StreamingResponse:
-    check_request(run, body, "chat")
+    run = await check_request(request, run, body, "chat")
     chat = request.app.state.chat
     if body.stream:
         if (body.n or 1) > 1:

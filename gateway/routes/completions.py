@@ -18,6 +18,6 @@ router = APIRouter(route_class=AgentRoute)  # the hot path: gateway.agent.route
 async def completions(
     body: CompletionRequest, run: RunDep, ref: EpisodeRefDep, request: Request, response: Response
 ) -> TextCompletion | StreamingResponse:
-    check_request(run, body, "completion")
+    run = await check_request(request, run, body, "completion")
     service = TextCompletionService(request.app.state.chat)
     return await answer(service, run, body, ref, response, stream=bool(body.stream))

@@ -38,13 +38,16 @@ async def create_message(
     run: RunDep,
     service: ServiceDep,
     ref: EpisodeRefDep,
+    request: Request,
     response: Response,
 ) -> MessageResponse | StreamingResponse:
-    check_request(run, body, "messages")
+    run = await check_request(request, run, body, "messages")
     return await answer(service, run, body, ref, response, stream=bool(body.stream))
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount)
-async def count_tokens(body: CountTokensRequest, run: RunDep, service: ServiceDep) -> TokenCount:
-    check_request(run, body, "count_tokens")
+async def count_tokens(
+    body: CountTokensRequest, run: RunDep, service: ServiceDep, request: Request
+) -> TokenCount:
+    run = await check_request(request, run, body, "count_tokens")
     return await service.count_tokens(run, body)

@@ -29,9 +29,10 @@ async def create_response(
     run: RunDep,
     service: ServiceDep,
     ref: EpisodeRefDep,
+    request: Request,
     response: Response,
 ) -> ResponsesResponse | StreamingResponse:
-    check_request(run, body, "responses")
+    run = await check_request(request, run, body, "responses")
     return await answer(service, run, body, ref, response, stream=bool(body.stream))
 
 

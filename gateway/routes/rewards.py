@@ -35,6 +35,9 @@ async def post_reward(
         raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} rewards", param="body")
     acks = await request.app.state.rewards.post_many(run, [_targeted(b, request) for b in items])
     if any(a.episode_status == EpisodeStatus.REWARDED for a in acks):
-        await request.app.state.scheduler.maybe_schedule(run.id)
+        # a run with policies trains each policy's run (docs/policies.md)
+        children = await request.app.state.policies.of(run.id) if run.config.get("policies") else {}
+        for run_id in [c.id for c in children.values()] or [run.id]:
+            await request.app.state.scheduler.maybe_schedule(run_id)
     acks = await request.app.state.run_status.with_progress(run.id, acks)
     return acks if isinstance(body, list) else acks[0]
