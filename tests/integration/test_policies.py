@@ -1,0 +1,113 @@
+"""Two policies in one run, one episode calling both, each trained on its own turns.
+
+Real processes: a uvicorn gateway (local backend: one SmolLM2, one adapter per
+policy), a Celery worker on Redis, PostgreSQL as the store; the real `openai`
+client as the agent (tests/integration/policy_agents.py).
+
+- Rewards scoped to the planner that favour answers away from its base greedy
+  answer change the planner's greedy answer; the coder's greedy answer stays
+  identical token for token and its version stays where it was.
+- The same with the rewards swapped: the coder moves, the planner stays.
+- Episode rewards (no policy named) train both: both versions move.
+- Each trained turn of the coder was spliced onto the planner's sampled ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.settings import Settings
+from tests.integration.policy_agents import CONFIG, POLICIES, Greedy, Team
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def stack(
+    redis_url: str, module_postgres_url: str, smollm2_cache: Path, tmp_path_factory
+) -> Iterator:
+    from tests.integration.conftest import running_stack
+
+    tmp = tmp_path_factory.mktemp("policies")
+    settings = Settings(
+        data_dir=tmp / "data",
+        database_url=module_postgres_url,
+        broker_url=redis_url,
+        queue_name=f"train-{tmp.name}",
+        admin_key="policies-admin-key",
+        dev_mode=False,
+        model_cache_dir=smollm2_cache,
+        sync_interval_s=0.2,
+    )
+    with running_stack(settings, tmp) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def team(stack, module_postgres_url: str) -> Team:
+    with stack.admin() as admin:
+        r = admin.post(
+            "/admin/v1/runs", json={"name": "team", "model": "smollm2", "config": CONFIG}
+        )
+    assert r.status_code == 201, r.text
+    created = r.json()
+    return Team(created, created["base_url"].removesuffix("/v1"), stack.admin, module_postgres_url)
+
+
+def _away_from(base: dict[str, str]):
+    """Reward 1 for an answer that does not start like the policy's base greedy answer."""
+
+    def reward(policy: str, text: str, n_tokens: int) -> float:
+        return 0.0 if text.strip()[:1] == base[policy].strip()[:1] else 1.0
+
+    return reward
+
+
+def _train_until_moved(team: Team, policy: str, reward, base: dict[str, Greedy]) -> None:
+    """Scoped steps for `policy` until its greedy answer leaves `base`; after each step the
+    other policy's greedy answer (token for token) and version are checked unchanged."""
+    other = next(p for p in POLICIES if p != policy)
+    held = team.greedy(other)
+    for _ in range(MAX_STEPS):
+        versions = team.train(reward, policy)
+        assert team.greedy(other) == held, f"{other} moved when {policy} trained"
+        assert versions[other] == held.version
+        now = team.greedy(policy)
+        assert now.version == versions[policy]
+        if now.tokens != base[policy].tokens:
+            print(f"{policy}: {base[policy].text!r} at v0 -> {now.text!r} at v{now.version}")
+            return
+    raise AssertionError(f"{policy}'s greedy answer did not move in {MAX_STEPS} steps")
+
+
+def test_scoped_rewards_move_one_role_and_episode_rewards_move_both(team: Team) -> None:
+    base = {p: team.greedy(p) for p in POLICIES}
+    assert {p: g.version for p, g in base.items()} == {"planner": 0, "coder": 0}
+    reward = _away_from({p: g.text for p, g in base.items()})
+
+    _train_until_moved(team, "planner", reward, base)
+    _train_until_moved(team, "coder", reward, base)
+
+    before = team.versions()
+    after = team.train(reward, None)
+    assert all(after[p] > before[p] for p in POLICIES), (before, after)
+
+
+def test_the_coders_turns_were_spliced_onto_the_planners_ids(
+    team: Team, module_postgres_url: str
+) -> None:
+    import psycopg
+
+    with psycopg.connect(module_postgres_url) as conn:
+        rows = conn.execute(
+            "SELECT c.spliced, c.link, p.run_id <> c.run_id FROM completions c"
+            " JOIN completions p ON p.id = c.parent_id"
+            " JOIN runs r ON r.id = c.run_id WHERE r.policy = 'coder'"
+        ).fetchall()
+    assert rows, "no coder turn continued a planner turn"
+    assert all(spliced and cross for spliced, _, cross in rows), rows[:5]
