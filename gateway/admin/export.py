@@ -15,6 +15,11 @@ says where each later version began when a keep-mode swap happened while it
 was sampled (null when every token is `policy_version`'s), the same in both
 formats.
 
+A run with policies (docs/policies.md) exports its policies' runs one after the
+other: an episode that called two policies is two records with one `episode_id`,
+each holding that policy's turns. Every record and completion names its `policy`
+(null for a run without policies).
+
 Every export is of one split: `train` (the default) holds the training episodes,
 whatever their status, and never an evaluation episode; `eval` holds only the
 evaluation episodes (`EpisodeStatus.EVAL`, sampled under `/eval`). Records of
@@ -40,6 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from core.store.completions import episode_completions
 from core.store.episodes import episode_page
 from core.store.models import Completion, Episode, as_utc
+from core.store.runs import policy_runs
 from core.store.status import EpisodeStatus
 
 ExportFormat = Literal["jsonl", "parquet"]
@@ -67,12 +73,14 @@ COMPLETION_TYPE = pa.struct(
         ("version_starts", pa.list_(pa.list_(pa.int64()))),
         ("reward", pa.float64()),
         ("created_at", _TIMESTAMP),
+        ("policy", pa.string()),  # the policy that sampled it; null: a run without policies
     ]
 )
 
 PARQUET_SCHEMA = pa.schema(
     [
         ("run_id", pa.string()),
+        ("policy", pa.string()),
         ("episode_id", pa.string()),
         ("group_id", pa.string()),
         ("status", pa.string()),
@@ -106,7 +114,7 @@ def episode_split(ep: Episode) -> ExportSplit:
     return "eval" if ep.held_out else "train"
 
 
-def completion_record(c: Completion) -> dict[str, Any]:
+def completion_record(c: Completion, policy: str | None = None) -> dict[str, Any]:
     return {
         "completion_id": c.id,
         "parent_id": c.parent_id,
@@ -123,12 +131,16 @@ def completion_record(c: Completion) -> dict[str, Any]:
         "version_starts": c.version_starts,
         "reward": c.reward,
         "created_at": as_utc(c.created_at),
+        "policy": policy,
     }
 
 
-def episode_record(ep: Episode, completions: list[Completion]) -> dict[str, Any]:
+def episode_record(
+    ep: Episode, completions: list[Completion], policy: str | None = None
+) -> dict[str, Any]:
     return {
         "run_id": ep.run_id,
+        "policy": policy,
         "episode_id": ep.id,
         "group_id": ep.group_id,
         "status": ep.status,
@@ -136,7 +148,7 @@ def episode_record(ep: Episode, completions: list[Completion]) -> dict[str, Any]
         "reward": ep.reward,
         "train_step": ep.train_step,
         "created_at": as_utc(ep.created_at),
-        "completions": [completion_record(c) for c in completions],
+        "completions": [completion_record(c, policy) for c in completions],
     }
 
 
@@ -146,9 +158,19 @@ class ExportService:
         self.page_size = page_size
 
     async def pages(self, run_id: str, filt: ExportFilter) -> AsyncIterator[list[dict[str, Any]]]:
-        """Episode records of a run's split, oldest first, at most `page_size` at a time."""
+        """Episode records of a run's split, oldest first, at most `page_size` at a time; a
+        run with policies: each policy's in turn."""
         if not filt.can_match():
             return
+        async with self.sessions() as s:
+            policies = await policy_runs(s, run_id)
+        for run, policy in [(p.id, p.policy) for p in policies] or [(run_id, None)]:
+            async for page in self._pages(run, policy, filt):
+                yield page
+
+    async def _pages(
+        self, run_id: str, policy: str | None, filt: ExportFilter
+    ) -> AsyncIterator[list[dict[str, Any]]]:
         after: tuple[datetime, str] | None = None
         while True:
             async with self.sessions() as s:
@@ -166,7 +188,7 @@ class ExportService:
                 by_episode: dict[str, list[Completion]] = defaultdict(list)
                 for c in await episode_completions(s, run_id, [e.id for e in page]):
                     by_episode[c.episode_id].append(c)
-            yield [episode_record(e, by_episode[e.id]) for e in page]
+            yield [episode_record(e, by_episode[e.id], policy) for e in page]
             if len(page) < self.page_size:
                 return
             after = (page[-1].created_at, page[-1].id)

@@ -5,6 +5,7 @@ tests/integration/test_policies.py."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import anthropic
@@ -285,3 +286,23 @@ def test_pausing_the_run_pauses_its_policies_and_deleting_it_deletes_them(
     assert gateway_server.query(
         "SELECT COUNT(*) FROM runs WHERE id = ? OR parent_id = ?", (run["run_id"], run["run_id"])
     ) == [(0,)]
+
+
+def test_the_export_of_a_run_with_policies_names_each_records_policy(
+    gateway_server: GatewayServer, team: dict
+) -> None:
+    plan, code = _episode_of_two_policies(gateway_server, team, "export-1")
+    resp = httpx.get(
+        f"{gateway_server.url}/admin/v1/runs/{team['run_id']}/export",
+        params={"format": "jsonl"},
+        headers=gateway_server.admin_headers(),
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    records = [json.loads(line) for line in resp.text.splitlines()]
+    mine = {r["policy"]: r for r in records if r["episode_id"] == "export-1"}
+    assert set(mine) == {"planner", "coder"}
+    assert [c["completion_id"] for c in mine["planner"]["completions"]] == [plan.id]
+    assert [c["completion_id"] for c in mine["coder"]["completions"]] == [code.id]
+    assert {c["policy"] for r in records for c in r["completions"]} == {"planner", "coder"}
+    assert all(r["policy"] in ("planner", "coder") for r in records)
