@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.config import POLICY_NAME, PolicySpec
+
 # Config knobs the gateway and the scheduler read afresh on every pass, so a change takes
 # effect at the next scheduling decision. Loss and optimizer knobs are not here: a worker
 # keeps a warm engine built from the config it started with.
@@ -38,6 +40,13 @@ class RunUpdate(BaseModel):
     config: dict[str, Any] = Field(
         default_factory=dict, description="knobs safe to change live; others get 400"
     )
+
+
+class PolicyCreate(PolicySpec):
+    """POST body of a policy added to a live run: its name and LoRA settings (each unset
+    field takes the run's)."""
+
+    name: str = Field(pattern=POLICY_NAME)
 
 
 class RunDeleted(BaseModel):

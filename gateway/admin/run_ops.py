@@ -89,8 +89,12 @@ class RunAdmin:
                 except (ValidationError, ValueError) as exc:
                     raise InvalidRequest(f"config: {exc}".splitlines()[0], param="config") from exc
                 run.config = cfg.model_dump()
+                for child in await policy_runs(s, run_id):  # a run's policies follow it
+                    child.config = {**child.config, **body.config}
             if body.name is not None:
                 run.name = body.name
+                for child in await policy_runs(s, run_id):
+                    child.name = f"{body.name}/{child.policy}"
             return run
 
     async def delete(self, run_id: str) -> None:

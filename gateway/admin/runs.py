@@ -20,11 +20,12 @@ from gateway.control.run_replicas import normalize_url, public_replicas
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.keys import display_prefix, hash_key, new_key
 from gateway.protocol import RunCreate, RunCreated, RunPublic, TrainStepPublic
+from gateway.protocol_admin import PolicyCreate
 from gateway.rows import from_row
 from inference import registry
 from inference.lora import missing_lora_targets
 from inference.models import resolve_model
-from trainer.config import RunConfig
+from trainer.config import PolicySpec, RunConfig
 from trainer.submit import engine_unavailable
 
 
@@ -114,12 +115,46 @@ class RunService:
                 param="config.lora_target_modules",
             )
 
+    async def add_policy(self, run_id: str, body: PolicyCreate) -> Run:
+        """A policy added to a live run that declares policies: the run's config gains it
+        and its run is created, served from the agents' next call (docs/policies.md)."""
+        async with self.sessions() as s:
+            parent = await s.get(Run, run_id)
+        if parent is None:
+            raise NotFound(f"no run {run_id!r}", param="run_id")
+        cfg = RunConfig.model_validate(parent.config)
+        if not cfg.policies:
+            raise InvalidRequest(
+                f"run {run_id!r} declares no policies: a run is created with its policies",
+                code="run_without_policies",
+            )
+        if body.name in cfg.policies:
+            raise Conflict(f"run {run_id!r} has a policy {body.name!r} already", param="name")
+        spec = PolicySpec.model_validate(body.model_dump(exclude={"name"}))
+        try:
+            new_cfg = RunConfig.model_validate(
+                parent.config | {"policies": {**cfg.policies, body.name: spec}}
+            )
+        except ValidationError as exc:
+            raise InvalidRequest(str(exc.errors()[0]["msg"]), param=body.name) from exc
+        policy_cfg = new_cfg.policy_config(body.name)
+        await self._check_lora_targets(Path(parent.model_path), parent.model, policy_cfg)
+        async with self.sessions.begin() as s:
+            parent = await s.get_one(Run, run_id, with_for_update=True)
+            if body.name in (parent.config.get("policies") or {}):
+                raise Conflict(f"run {run_id!r} has a policy {body.name!r} already", param="name")
+            parent.config = new_cfg.model_dump()
+            urls = await replica_urls(s, run_id)
+            child = (await self._add_policies(s, parent, {body.name: policy_cfg}, urls))[0]
+        return child
+
     @staticmethod
     async def _add_policies(
         s: AsyncSession, parent: Run, configs: dict[str, RunConfig], urls: builtins.list[str]
-    ) -> None:
+    ) -> builtins.list[Run]:
         """A run for each policy (docs/policies.md): the parent's model, backend and
         replicas, the policy's configuration; no key of its own (the parent's keys pick it)."""
+        children = []
         for name, cfg in configs.items():
             child = Run(
                 id="run_" + uuid.uuid4().hex[:16],
@@ -138,6 +173,8 @@ class RunService:
             await s.flush()
             s.add(PolicyVersion(run_id=child.id, version=0, checkpoint_path=parent.model_path))
             s.add_all(RunReplica(run_id=child.id, url=u) for u in urls)
+            children.append(child)
+        return children
 
     async def public(self, run: Run, base_url: str) -> RunPublic:
         serving = self.pool.loaded().get(run.id)

@@ -15,7 +15,13 @@ from fastapi.responses import StreamingResponse
 from gateway.admin.run_ops import tar_stream
 from gateway.deps import AdminDep, AgentBaseUrlDep
 from gateway.protocol import RunCreate, RunCreated, RunPublic, RunStatusChange, TrainStepPublic
-from gateway.protocol_admin import PolicyVersionPublic, RollbackResult, RunDeleted, RunUpdate
+from gateway.protocol_admin import (
+    PolicyCreate,
+    PolicyVersionPublic,
+    RollbackResult,
+    RunDeleted,
+    RunUpdate,
+)
 from gateway.scratch import ScratchStreamingResponse, remover
 
 router = APIRouter(prefix="/admin/v1", dependencies=[AdminDep], tags=["admin"])
@@ -106,6 +112,15 @@ async def rollback(
 ) -> RollbackResult:
     """Serve and train from `version`'s weights again, as a new version N+1."""
     return await request.app.state.run_admin.rollback(run_id, version)
+
+
+@router.post("/runs/{run_id}/policies", response_model=RunPublic, status_code=201)
+async def add_policy(
+    run_id: str, body: PolicyCreate, request: Request, base_url: AgentBaseUrlDep
+) -> RunPublic:
+    """Add a policy to a live run that declares policies; the policy's run (docs/policies.md)."""
+    svc = request.app.state.runs
+    return await svc.public(await svc.add_policy(run_id, body), base_url)
 
 
 # Last here, and this router is included after those of keys and replicas: `{action}` would

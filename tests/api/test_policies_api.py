@@ -306,3 +306,35 @@ def test_the_export_of_a_run_with_policies_names_each_records_policy(
     assert [c["completion_id"] for c in mine["coder"]["completions"]] == [code.id]
     assert {c["policy"] for r in records for c in r["completions"]} == {"planner", "coder"}
     assert all(r["policy"] in ("planner", "coder") for r in records)
+
+
+def test_a_policy_added_to_a_live_run_is_served_from_the_next_call(
+    gateway_server: GatewayServer,
+) -> None:
+    run = gateway_server.create_run("growing", POLICIES)
+    agent = _agent(gateway_server, run)
+    with pytest.raises(openai.NotFoundError):
+        _ask(agent, "growing/reviewer", [{"role": "user", "content": "hi"}])
+    with httpx.Client(base_url=gateway_server.url, headers=gateway_server.admin_headers()) as c:
+        url = f"/admin/v1/runs/{run['run_id']}/policies"
+        added = c.post(url, json={"name": "reviewer", "lora_rank": 2})
+        assert added.status_code == 201, added.text
+        assert added.json()["name"] == "growing/reviewer"
+        assert added.json()["config"]["lora_rank"] == 2
+        assert c.post(url, json={"name": "reviewer"}).status_code == 409
+        assert c.post(url, json={"name": "Bad Name"}).status_code == 400
+        solo = gateway_server.create_run("solo-live")
+        refused = c.post(f"/admin/v1/runs/{solo['run_id']}/policies", json={"name": "x"})
+        assert refused.status_code == 400, refused.text
+        # live knobs and names of the run reach its policies
+        patch = {"name": "grown", "config": {"max_staleness": 3}}
+        assert c.patch(f"/admin/v1/runs/{run['run_id']}", json=patch).status_code == 200
+    resp = _ask(agent, "grown/reviewer", [{"role": "user", "content": "hi"}])
+    assert _policy_of(gateway_server, resp.id) == "reviewer"
+    assert [m.id for m in agent.models.list()] == ["grown/planner", "grown/coder", "grown/reviewer"]
+    rows = gateway_server.query(
+        "SELECT name, config FROM runs WHERE parent_id = ? ORDER BY created_at, id",
+        (run["run_id"],),
+    )
+    assert [name for name, _ in rows] == ["grown/planner", "grown/coder", "grown/reviewer"]
+    assert all(json.loads(config)["max_staleness"] == 3 for _, config in rows)
