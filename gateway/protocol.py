@@ -336,6 +336,7 @@ class RewardAck(BaseModel):
     reward: float
     episode_status: str
     duplicate: bool = False
+    policy: str | None = None  # a policy-scoped reward's policy (docs/policies.md)
     # --- rlgate: where the episode and its group stand after this reward
     progress: RunProgress | None = None
 

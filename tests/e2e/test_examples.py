@@ -172,3 +172,43 @@ def test_eval_agent_example(tmp_path: Path, tiny_model_dir: Path, model_cache_di
         spread = f" ± {stderr:.3f}" if stderr is not None else ""
         expected.append(f"held-out v{version}: reward {mean:.3f}{spread} over {n} episodes")
     assert printed == expected, out.stdout
+
+
+def test_policies_example_files_both_agents_under_one_episode(gateway_server) -> None:
+    """Two Agents SDK agents, each its own policy, one episode by its path-scoped base_url;
+    the writer's fresh context would not be linked by prefix matching."""
+    run = gateway_server.create_run(
+        name="team-example",
+        config={"lora_rank": 4, "policies": {"planner": {}, "writer": {}}},
+    )
+    env = dict(
+        os.environ,
+        RLGATE_BASE_URL=run["base_url"],
+        RLGATE_API_KEY=run["api_key"],
+        RLGATE_MODEL=run["name"],
+    )
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "policies_agents.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "final output:" in out.stdout, out.stdout
+    episode = out.stdout.split("episode ", 1)[1].split()[0]
+    rows = gateway_server.query(
+        "SELECT runs.policy, completions.link FROM completions"
+        " JOIN runs ON runs.id = completions.run_id WHERE completions.episode_id = ?"
+        " ORDER BY completions.created_at",
+        (episode,),
+    )
+    assert [policy for policy, _ in rows] == ["planner", "writer"], rows
+    assert {link for _, link in rows} == {"path"}
+    statuses = gateway_server.query(
+        "SELECT runs.policy, episodes.status FROM episodes JOIN runs ON runs.id = episodes.run_id"
+        " WHERE episodes.id = ?",
+        (episode,),
+    )
+    assert dict(statuses) == {"planner": "rewarded", "writer": "rewarded"}
+    assert f"episode {episode} policy writer is rewarded" in out.stdout
