@@ -318,7 +318,7 @@ class ChatService:
         placement = await place(
             self.lineage, run.id, ref, metadata, messages, cfg.prefix_match_window_s, family
         )
-        if family is not None and placement.group_id is None:
+        if family is not None and placement.link != "new":
             placement = await self._policy_placement(run, placement, family)
         if ref.evaluation and placement.parent is None and placement.link != "new":
             async with self.sessions() as s:
@@ -330,13 +330,16 @@ class ChatService:
     async def _policy_placement(
         self, run: Run, placement: Placement, family: list[str]
     ) -> Placement:
-        """A policy's first turn in an episode another policy of its run began: in that
-        episode's group, so that each policy's turns of one task are compared in one group."""
+        """A policy's first turn in an episode another policy of its run began: joined, as
+        a later turn (admitted once, when the episode began), and in that episode's group
+        unless the call names one, so each policy's turns of one task share a group."""
         async with self.sessions() as s:
             if await s.get(Episode, (run.id, placement.episode_id)) is not None:
                 return placement  # this policy's episode exists: its group stays
             group = await episode_group(s, family, placement.episode_id)
-        return dataclasses.replace(placement, group_id=group) if group is not None else placement
+        if group is None:
+            return placement  # a new episode for every policy
+        return dataclasses.replace(placement, group_id=placement.group_id or group, joined=True)
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """The last step of every endpoint's `prepare`, after every client error: a paused or

@@ -44,6 +44,9 @@ class Placement:
     link: str  # path | header | metadata | prefix | new
     parent: Completion | None
     evaluation: bool = False  # held out: an `/eval` call (`EpisodeRef.evaluation`)
+    # The episode was begun by another policy of the run (docs/policies.md): it was
+    # admitted there, and this policy's turns join it (`ChatService._policy_placement`).
+    joined: bool = False
 
 
 # Evaluation conversations hash in a space of their own: prefix matching looks a call's

@@ -247,8 +247,8 @@ class Admission:
 
     async def admit(self, run: Run, cfg: RunConfig, placement: Placement, n: int = 1) -> None:
         """Return once the call may sample; raise RateLimited past `admission_wait_s`."""
-        if placement.parent is not None:
-            return  # a later turn of a stored episode
+        if placement.parent is not None or placement.joined:
+            return  # a later turn of a stored episode (of this policy, or another of its run)
         state = self._runs.setdefault(run.id, _RunAdmission())
         ids = episode_ids(placement, n)
         if any(i in state.reserved for i in ids):

@@ -338,3 +338,21 @@ def test_a_policy_added_to_a_live_run_is_served_from_the_next_call(
     )
     assert [name for name, _ in rows] == ["grown/planner", "grown/coder", "grown/reviewer"]
     assert all(json.loads(config)["max_staleness"] == 3 for _, config in rows)
+
+
+def test_a_policy_joining_an_admitted_episode_is_never_held(
+    gateway_server: GatewayServer,
+) -> None:
+    """Admission is once per episode: the coder's run is full (one pending episode of its
+    own), yet its first turn in an episode the planner began is served at once."""
+    config = POLICIES | {"max_pending_episodes": 1, "admission_wait_s": 0}
+    run = gateway_server.create_run("admitted", config)
+    hi = [{"role": "user", "content": "hi"}]
+    _ask(_agent(gateway_server, run, "/episodes/coder-own"), "admitted/coder", hi)
+    with pytest.raises(openai.RateLimitError):  # full: a new conversation of its own waits
+        _ask(_agent(gateway_server, run, "/episodes/coder-new"), "admitted/coder", hi)
+    shared = _agent(gateway_server, run, "/episodes/begun-by-planner")
+    _ask(shared, "admitted/planner", hi)
+    joined = _ask(shared, "admitted/coder", [{"role": "user", "content": "fresh context"}])
+    assert _policy_of(gateway_server, joined.id) == "coder"
+    assert joined.model_extra["episode_id"] == "begun-by-planner"
