@@ -72,6 +72,7 @@ from trainer.lora import BaseModelView, attach_lora, is_adapter_dir, save_adapte
 from trainer.losses.policy import policy_loss
 from trainer.packing import padded_groups
 from trainer.parallel import DTYPES, DistInfo, init_distributed
+from trainer.shared_base import SharedBases
 
 logger = logging.getLogger(__name__)
 
@@ -196,15 +197,19 @@ class Engine(ABC):
         cfg: RunConfig,
         parallel: ParallelConfig | None = None,
         reference_dir: Path | None = None,
+        bases: SharedBases | None = None,
     ) -> None:
         """The policy of `version` from the HF directory `checkpoint_dir`, and a fresh AdamW.
 
         `parallel`: how a distributed engine shards and casts (the local engine
         has nothing to shard). `reference_dir`: the frozen base model, needed
         for the KL penalty (`kl_coef > 0`) and by a LoRA run, whose `checkpoint_dir`
-        is an adapter (or, at version 0, the base itself).
+        is an adapter (or, at version 0, the base itself). `bases`: where a LoRA
+        run's in-process engine takes its base from, shared with the worker's
+        other LoRA engines (`trainer.shared_base`); None: its own copy.
         """
         self.cfg, self.version = cfg, version
+        self.bases = bases
         self.parallel = parallel or ParallelConfig()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.join_group()

@@ -36,9 +36,12 @@ class LocalEngine(Engine):
     def load_model(self, model_dir: Path, *, train: bool) -> PolicyLogits:
         from transformers import AutoModelForCausalLM
 
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        if train:  # the frozen reference is only read: its pages can stay mapped
-            own_memory(lm)
+        if train and self.cfg.lora and self.bases is not None:
+            lm = self.bases.copy_of(model_dir)  # the worker's one frozen copy of the base
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if train:  # the frozen reference is only read: its pages can stay mapped
+                own_memory(lm)
         lm.train(train)
         lm.requires_grad_(train)
         return PolicyLogits(self.with_adapter(lm, train=train))

@@ -28,6 +28,7 @@ from trainer.engine import Engine
 from trainer.engines import engine_class, engine_entry
 from trainer.resident_pool import ResidentPool
 from trainer.resident_protocol import Init
+from trainer.shared_base import SharedBases
 from trainer.weight_publish import StepWeights, save_due
 
 
@@ -87,6 +88,7 @@ class InProcessRunner:
     def __init__(self, source: VersionSource, weights: StepWeights) -> None:
         self.source, self.weights = source, weights
         self.engines: dict[str, Engine] = {}
+        self.bases = SharedBases()  # LoRA engines share one frozen base per model
 
     def engine_for(self, job: StepJob) -> Engine:
         """The cached engine if it is at version `job.step`, else a fresh one from the newest
@@ -97,7 +99,7 @@ class InProcessRunner:
             return engine
         checkpoint = self.source.checkpoint(job.run_id, job.step)
         engine = engine_class(job.cfg.engine)(
-            checkpoint, job.step, job.cfg, reference_dir=job.model_path
+            checkpoint, job.step, job.cfg, reference_dir=job.model_path, bases=self.bases
         )
         if job.cfg.save_optimizer_state:
             engine.load_optimizer(self.source.optimizer(job.run_id, job.step, sharded=False))

@@ -136,3 +136,45 @@ class Team:
                     return now
                 time.sleep(0.3)
         raise AssertionError(f"{moving} never moved past {before}")
+
+
+MAX_STEPS = 12
+
+
+def away_from(base: dict[str, str]):
+    """Reward 1 for an answer that does not start like the policy's base greedy answer."""
+
+    def reward(policy: str, text: str, n_tokens: int) -> float:
+        return 0.0 if text.strip()[:1] == base[policy].strip()[:1] else 1.0
+
+    return reward
+
+
+def train_until_moved(team: Team, policy: str, reward, base: dict[str, Greedy]) -> None:
+    """Scoped steps for `policy` until its greedy answer leaves `base`; after each step the
+    other policy's greedy answer (token for token) and version are checked unchanged."""
+    other = next(p for p in POLICIES if p != policy)
+    held = team.greedy(other)
+    for _ in range(MAX_STEPS):
+        versions = team.train(reward, policy)
+        assert team.greedy(other) == held, f"{other} moved when {policy} trained"
+        assert versions[other] == held.version
+        now = team.greedy(policy)
+        assert now.version == versions[policy]
+        if now.tokens != base[policy].tokens:
+            print(f"{policy}: {base[policy].text!r} at v0 -> {now.text!r} at v{now.version}")
+            return
+    raise AssertionError(f"{policy}'s greedy answer did not move in {MAX_STEPS} steps")
+
+
+def scoped_then_whole(team: Team) -> None:
+    """The policies tests' scenario (tests/integration/test_policies.py's docstring): planner
+    rewards move the planner only, coder rewards the coder only, episode rewards both."""
+    base = {p: team.greedy(p) for p in POLICIES}
+    assert {p: g.version for p, g in base.items()} == {p: 0 for p in POLICIES}
+    reward = away_from({p: g.text for p, g in base.items()})
+    train_until_moved(team, "planner", reward, base)
+    train_until_moved(team, "coder", reward, base)
+    before = team.versions()
+    after = team.train(reward, None)
+    assert all(after[p] > before[p] for p in POLICIES), (before, after)

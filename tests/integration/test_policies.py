@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 
 from core.settings import Settings
-from tests.integration.policy_agents import CONFIG, POLICIES, Greedy, Team
+from tests.integration.policy_agents import CONFIG, Team, scoped_then_whole
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-MAX_STEPS = 12
 
 
 @pytest.fixture(scope="module")
@@ -59,43 +57,8 @@ def team(stack, module_postgres_url: str) -> Team:
     return Team(created, created["base_url"].removesuffix("/v1"), stack.admin, module_postgres_url)
 
 
-def _away_from(base: dict[str, str]):
-    """Reward 1 for an answer that does not start like the policy's base greedy answer."""
-
-    def reward(policy: str, text: str, n_tokens: int) -> float:
-        return 0.0 if text.strip()[:1] == base[policy].strip()[:1] else 1.0
-
-    return reward
-
-
-def _train_until_moved(team: Team, policy: str, reward, base: dict[str, Greedy]) -> None:
-    """Scoped steps for `policy` until its greedy answer leaves `base`; after each step the
-    other policy's greedy answer (token for token) and version are checked unchanged."""
-    other = next(p for p in POLICIES if p != policy)
-    held = team.greedy(other)
-    for _ in range(MAX_STEPS):
-        versions = team.train(reward, policy)
-        assert team.greedy(other) == held, f"{other} moved when {policy} trained"
-        assert versions[other] == held.version
-        now = team.greedy(policy)
-        assert now.version == versions[policy]
-        if now.tokens != base[policy].tokens:
-            print(f"{policy}: {base[policy].text!r} at v0 -> {now.text!r} at v{now.version}")
-            return
-    raise AssertionError(f"{policy}'s greedy answer did not move in {MAX_STEPS} steps")
-
-
 def test_scoped_rewards_move_one_role_and_episode_rewards_move_both(team: Team) -> None:
-    base = {p: team.greedy(p) for p in POLICIES}
-    assert {p: g.version for p, g in base.items()} == {"planner": 0, "coder": 0}
-    reward = _away_from({p: g.text for p, g in base.items()})
-
-    _train_until_moved(team, "planner", reward, base)
-    _train_until_moved(team, "coder", reward, base)
-
-    before = team.versions()
-    after = team.train(reward, None)
-    assert all(after[p] > before[p] for p in POLICIES), (before, after)
+    scoped_then_whole(team)
 
 
 def test_the_coders_turns_were_spliced_onto_the_planners_ids(
