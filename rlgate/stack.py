@@ -94,8 +94,9 @@ def stop(*procs: subprocess.Popen, timeout_s: float = 20) -> None:
 @contextlib.contextmanager
 def stack_processes(
     settings: Settings, host: str, port: int, logs: Path, timeout_s: float = 120.0
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Gateway and worker as child processes; yields the gateway URL and process once healthy.
+) -> Iterator[tuple[str, subprocess.Popen, subprocess.Popen]]:
+    """Gateway and worker as child processes; yields the gateway URL, the gateway and the
+    worker once the gateway is healthy.
 
     Port 0 picks a free port. Both stop on exit.
     """
@@ -107,7 +108,7 @@ def stack_processes(
     url = f"http://{host}:{port}"
     try:
         wait_healthy(url, gateway, timeout_s=timeout_s)
-        yield url, gateway
+        yield url, gateway, worker
     finally:
         stop(gateway, worker)
 
@@ -115,5 +116,5 @@ def stack_processes(
 @contextlib.contextmanager
 def embedded_stack(settings: Settings, host: str, port: int, logs: Path) -> Iterator[str]:
     """Gateway and worker as child processes; yields the gateway URL once healthy."""
-    with stack_processes(settings, host, port, logs) as (url, _):
+    with stack_processes(settings, host, port, logs) as (url, _, _):
         yield url

@@ -12,6 +12,14 @@ is the runs' own overhead plus one trained adapter;
 `memory_ratio_all_trained` adds the adapter bytes the other runs would hold
 once each had trained (`(runs - 1) x adapter / model`, the docs/lora.md arithmetic).
 
+Policies (`--policies N`, 0 skips): the same stack serves one run with N
+policies (docs/policies.md), rank `--rank` on `--policy-targets`; each policy
+trains one step and answers again. The gateway's and the worker's RSS are
+read once the first policy trained and once all N did: `policy_gateway_ratio`
+and `policy_worker_ratio` = N x (the growth / (N - 1)) / one model copy, what N
+policies' adapters (and, in the worker, their AdamW state) cost against a copy
+of the model each.
+
 Swap: in this process, one `LocalBackend` on the same base times
 `load_adapter` (the trained adapter, what a LoRA run's hot swap does) against
 `load_weights` (a full checkpoint, what a full fine-tune's hot swap does):
@@ -46,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=8, help="LoRA runs served at the end")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5, help="swaps timed, of each kind")
+    p.add_argument("--policies", type=int, default=8, help="policies of one run; 0: skip")
+    p.add_argument(
+        "--policy-targets",
+        default="q_proj,v_proj",
+        help="the policies' lora_target_modules, comma-separated",
+    )
     bench_dirs.add_dir_arguments(p, "the stack's data dir (checkpoints) and logs")
     return p
 
@@ -59,6 +73,8 @@ def rss_bytes(pid: int) -> int:
 
 
 def _ask(run: dict, episode: str, temperature: float = 0.0) -> str:
+    """One call of `run` (`run["name"]` is the `model` asked for: a run, or a policy's
+    `<run name>/<policy>`)."""
     import openai
 
     root = run["base_url"].removesuffix("/v1")
@@ -96,7 +112,7 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
     settings = bench_dirs.stack_settings(work, cache, ADMIN_KEY)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     config = {"lora_rank": args.rank, "group_size": 2, "groups_per_step": 1, "micro_batch_size": 2}
-    with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as (url, gateway):
+    with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as (url, gateway, _):
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
         with httpx.Client(base_url=url, headers=headers, timeout=600) as admin:
             runs = []
@@ -113,6 +129,61 @@ def measure_memory(args: argparse.Namespace, base: Path, cache: Path, work: Path
             many = rss_bytes(gateway.pid)
     print(f"{args.runs} LoRA runs served, one trained: gateway RSS {many / 1e6:.0f} MB")
     return {"rss_1_run": one, f"rss_{args.runs}_runs": many, "rss_growth": many - one}
+
+
+def measure_policies(args: argparse.Namespace, cache: Path, work: Path) -> dict[str, int]:
+    """Gateway and worker RSS once the first of `args.policies` policies of one run trained,
+    and once every one did (each then answering with its adapter)."""
+    import httpx
+
+    from rlgate.stack import stack_processes
+
+    settings = bench_dirs.stack_settings(work, cache, ADMIN_KEY)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    n = args.policies
+    config = {
+        "lora_rank": args.rank,
+        "lora_target_modules": args.policy_targets.split(","),
+        "group_size": 2,
+        "groups_per_step": 1,
+        "micro_batch_size": 2,
+        "policies": {f"p{i}": {} for i in range(n)},
+    }
+    with stack_processes(settings, "127.0.0.1", 0, work, timeout_s=300) as stack:
+        url, gateway, worker = stack
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=600) as admin:
+            body = {"name": "team", "model": args.model, "config": config}
+            run = admin.post("/admin/v1/runs", json=body).raise_for_status().json()
+            ids = {
+                r["policy"]: r["run_id"]
+                for r in admin.get("/admin/v1/runs").json()
+                if r["parent_id"] == run["run_id"]
+            }
+            policies = [{**run, "run_id": ids[f"p{i}"], "name": f"team/p{i}"} for i in range(n)]
+            rss: dict[str, int] = {}
+            for i, policy in enumerate(policies):
+                _train_one_step(admin, policy, config["group_size"])
+                _ask(policy, f"/episodes/after-{i}")
+                if i == 0:
+                    rss = {"gateway": rss_bytes(gateway.pid), "worker": rss_bytes(worker.pid)}
+                    print(
+                        f"1 policy trained: gateway {rss['gateway'] / 1e6:.0f} MB, "
+                        f"worker {rss['worker'] / 1e6:.0f} MB",
+                        flush=True,
+                    )
+            for i, policy in enumerate(policies):
+                _ask(policy, f"/episodes/again-{i}")
+            gateway_n, worker_n = rss_bytes(gateway.pid), rss_bytes(worker.pid)
+    print(f"{n} policies trained: gateway {gateway_n / 1e6:.0f} MB, worker {worker_n / 1e6:.0f} MB")
+    return {
+        "policy_gateway_rss_1": rss["gateway"],
+        f"policy_gateway_rss_{n}": gateway_n,
+        "policy_gateway_growth": gateway_n - rss["gateway"],
+        "policy_worker_rss_1": rss["worker"],
+        f"policy_worker_rss_{n}": worker_n,
+        "policy_worker_growth": worker_n - rss["worker"],
+    }
 
 
 async def _timed_swap(backend, swap, adapter: str | None, version: int) -> float:
@@ -161,6 +232,23 @@ def model_bytes(model_dir: Path) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
+def policy_figures(args: argparse.Namespace, policies: dict[str, int], full_bytes: int) -> dict:
+    """`policies` (what `measure_policies` returns) with the N policies' ratios to one model."""
+    if not policies:
+        return {}
+    n = args.policies
+    per_policy = {
+        side: policies[f"policy_{side}_growth"] / max(n - 1, 1) for side in ("gateway", "worker")
+    }
+    return {
+        "policies": n,
+        "policy_targets": args.policy_targets.split(","),
+        **policies,
+        "policy_gateway_ratio": n * per_policy["gateway"] / full_bytes,
+        "policy_worker_ratio": n * per_policy["worker"] / full_bytes,
+    }
+
+
 def summary(
     args: argparse.Namespace,
     memory: dict[str, int],
@@ -168,9 +256,10 @@ def summary(
     adapter_size: int,
     adapters: list[float],
     fulls: list[float],
+    policies: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The bench's JSON: memory of the extra runs and adapter swap seconds, each against a full
-    model's (`memory` is what `measure_memory` returns)."""
+    model's (`memory` is what `measure_memory` returns), and the policies' memory."""
     adapter_s, full_s = statistics.median(adapters), statistics.median(fulls)
     return {
         "bench": "tenants",
@@ -187,6 +276,7 @@ def summary(
         "full_swap_s": full_s,
         "swap_ratio": adapter_s / full_s,
         "repeats": args.repeats,
+        **policy_figures(args, policies or {}, full_bytes),
     }
 
 
@@ -214,12 +304,19 @@ def run(args: argparse.Namespace) -> int:
         adapter = trained_adapter(work / "data" / "checkpoints")
         adapters, fulls = asyncio.run(measure_swaps(base, adapter, args.repeats))
         adapter_size = sum(f.stat().st_size for f in adapter.glob("adapter_*"))
-    result = summary(args, memory, model_bytes(base), adapter_size, adapters, fulls)
+        policies = measure_policies(args, cache, work / "policies") if args.policies > 1 else {}
+    full = model_bytes(base)
+    result = summary(args, memory, full, adapter_size, adapters, fulls, policies)
     print(
         f"{args.runs - 1} extra LoRA runs: {memory['rss_growth'] / 1e6:.0f} MB = "
         f"{result['memory_ratio']:.1%} of one model ({result['model_bytes'] / 1e6:.0f} MB); "
         f"adapter swap {result['adapter_swap_s'] * 1e3:.0f} ms vs full swap "
         f"{result['full_swap_s'] * 1e3:.0f} ms: ratio {result['swap_ratio']:.3f}"
     )
+    if policies:
+        print(
+            f"{args.policies} policies of one run: gateway {result['policy_gateway_ratio']:.3f}, "
+            f"worker {result['policy_worker_ratio']:.3f} of one model"
+        )
     print(json.dumps(result))
     return 0

@@ -86,7 +86,7 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(settings: Settings, logs: Path) -> Iterator[Stack]:
-    with stack_processes(settings, "127.0.0.1", 0, logs) as (url, _):
+    with stack_processes(settings, "127.0.0.1", 0, logs) as (url, _, _):
         yield Stack(url, settings.admin_key, settings)
 
 

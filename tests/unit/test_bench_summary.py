@@ -158,6 +158,26 @@ def test_tenants_has_memory_ratio_and_swap_ratio() -> None:
     out = keys_of(tenants.summary(args, memory, 10_000, 100, [0.01, 0.02, 0.03], [1.0, 1.0, 1.0]))
     assert out["memory_ratio"] == 0.05
     assert out["swap_ratio"] == 0.02
+    assert "policy_worker_ratio" not in out  # --policies 0
+
+
+def test_tenants_has_policy_ratios_for_n_policies_from_the_last_n_minus_one() -> None:
+    args = argparse.Namespace(
+        model="tiny", runs=8, rank=8, repeats=3, policies=8, policy_targets="q_proj,v_proj"
+    )
+    memory = {"rss_1_run": 1000, "rss_8_runs": 1500, "rss_growth": 500}
+    policies = {
+        "policy_gateway_rss_1": 1000,
+        "policy_gateway_rss_8": 1070,
+        "policy_gateway_growth": 70,
+        "policy_worker_rss_1": 2000,
+        "policy_worker_rss_8": 2700,
+        "policy_worker_growth": 700,
+    }
+    out = keys_of(tenants.summary(args, memory, 10_000, 100, [0.01], [1.0], policies))
+    assert out["policy_gateway_ratio"] == pytest.approx(8 * 10 / 10_000)
+    assert out["policy_worker_ratio"] == pytest.approx(8 * 100 / 10_000)
+    assert out["policy_targets"] == ["q_proj", "v_proj"] and out["policies"] == 8
 
 
 def test_served_has_a_ratio_per_setting_against_local() -> None:
