@@ -122,6 +122,7 @@ class CompletionDetail(BaseModel):
     prompt_tokens: list[TokenView]
     output_tokens: list[TokenView]
     created_at: str
+    policy: str | None = None  # the policy that sampled it (docs/policies.md)
 
 
 class EpisodeDetail(EpisodeSummary):

@@ -150,7 +150,7 @@ class EpisodeAdmin:
         tokenizer = await self.decoder.get(run.model_path)
         trained = ep.status == EpisodeStatus.TRAINED
         details = await asyncio.to_thread(
-            lambda: [_completion(tokenizer, c, trained) for c in completions]
+            lambda: [_completion(tokenizer, c, trained, run.policy) for c in completions]
         )
         versions = sorted({v for c in completions for _, v in c.spans})
         sampled = sum(len(c.output_token_ids) for c in completions)
@@ -187,7 +187,9 @@ def _summary(
     )
 
 
-def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetail:
+def _completion(
+    tokenizer: Any, c: Completion, trained: bool, policy: str | None = None
+) -> CompletionDetail:
     prompt_text = _pieces(tokenizer, c.prompt_token_ids)
     output_text = _pieces(tokenizer, c.output_token_ids)
     return from_row(
@@ -209,4 +211,5 @@ def _completion(tokenizer: Any, c: Completion, trained: bool) -> CompletionDetai
             )
         ],
         created_at=as_utc(c.created_at).isoformat(),
+        policy=policy,
     )

@@ -7,17 +7,19 @@ would capture them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.agent.policies import declared_policies
 from gateway.dashboard.analysis import RUN_CHARTS, episode_filters
 from gateway.dashboard.auth import session_post
 from gateway.dashboard.pages import PREFIX, SECURITY_HEADERS, PagesDep, error_message, redirect
 from gateway.dashboard.summary import runs_summary
 from gateway.deps import AgentBaseUrlDep, FeedSessionDep, PageSessionDep
-from gateway.errors import APIError
+from gateway.errors import APIError, NotFound
 from gateway.protocol import RunCreate
 
 router = APIRouter(include_in_schema=False)
@@ -56,10 +58,13 @@ async def run_page(
     except (ValueError, APIError) as exc:
         return redirect(f"{PREFIX}/runs/{run_id}", error_message(exc))
     versions = [v.model_dump() for v in await st.run_admin.versions(run_id)]
+    children = await st.policies.of(run_id) if run.config.get("policies") else {}
+    policies = [(await st.runs.public(c, base_url)).model_dump() for c in children.values()]
     return pages.render(
         request,
         "run.html",
         run=run.model_dump(),
+        policies=policies,
         versions=versions,
         sink_errors=sum(int(v["metrics"].get("sink_errors", 0)) for v in versions),
         counters=(await st.metrics_admin.counters(run_id)).model_dump(),
@@ -72,8 +77,32 @@ async def run_page(
 
 @router.get("/runs/{run_id}/episodes/{episode_id}", dependencies=[PageSessionDep])
 async def episode_page(run_id: str, episode_id: str, request: Request, pages: PagesDep) -> Response:
-    detail = await request.app.state.episode_admin.detail(run_id, episode_id)
-    return pages.render(request, "episode.html", run_id=run_id, episode=detail.model_dump())
+    """One episode, token by token. A run with policies (docs/policies.md) shows the
+    episode's turns of every policy in the order they were made, each marked by policy."""
+    st = request.app.state
+    run = await st.runs.get(run_id)
+    children = await st.policies.of(run_id) if declared_policies(run) else {}
+    if not children:
+        detail = await st.episode_admin.detail(run_id, episode_id)
+        return pages.render(request, "episode.html", run_id=run_id, episode=detail.model_dump())
+    parts = []
+    for name, child in children.items():
+        with contextlib.suppress(NotFound):  # a policy that took no turn of it
+            parts.append((name, (await st.episode_admin.detail(child.id, episode_id)).model_dump()))
+    if not parts:
+        raise NotFound(f"no episode {episode_id!r} in run {run_id!r}", param="episode_id")
+    turns = sorted(
+        ({**c, "policy": name} for name, part in parts for c in part["completions"]),
+        key=lambda c: c["created_at"],
+    )
+    episode = parts[0][1] | {
+        "completions": turns,
+        "status": ", ".join(f"{name}: {part['status']}" for name, part in parts),
+        "versions": sorted({v for _, part in parts for v in part["versions"]}),
+    }
+    return pages.render(
+        request, "episode.html", run_id=run_id, episode=episode, policies=list(children)
+    )
 
 
 @router.get("/api/runs", dependencies=[FeedSessionDep])

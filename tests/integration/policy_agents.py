@@ -33,7 +33,8 @@ PROBES = {
     ],
 }
 
-# (policy, answer text, sampled tokens) -> reward
+# (policy, answer text, sampled tokens) -> reward; for an episode reward ("episode", the
+# episode's place in its group, both answers' tokens)
 Reward = Callable[[str, str, int], float]
 
 
@@ -111,8 +112,8 @@ class Team:
                 "planner": (planned, plan.usage.completion_tokens),
                 "coder": (code.choices[0].message.content or "", code.usage.completion_tokens),
             }
-            if scope is None:
-                r = sum(reward(p, *answers[p]) for p in POLICIES)
+            if scope is None:  # one reward for the episode, from both answers
+                r = reward("episode", f"{e}", sum(n for _, n in answers.values()))
                 posts.append({"episode_id": episode, "reward": r})
             else:
                 r = reward(scope, *answers[scope])
@@ -176,5 +177,7 @@ def scoped_then_whole(team: Team) -> None:
     train_until_moved(team, "planner", reward, base)
     train_until_moved(team, "coder", reward, base)
     before = team.versions()
-    after = team.train(reward, None)
+    # By the episode's place in its group: trained answers may all score alike on the rule
+    # above, and a zero-variance group teaches nothing; this one always differs.
+    after = team.train(lambda _policy, place, _tokens: float(place), None)
     assert all(after[p] > before[p] for p in POLICIES), (before, after)
