@@ -131,7 +131,7 @@ class ResponsesService:
     async def stored(self, run: Run, response_id: str, param: str) -> StoredResponse:
         async with self.sessions() as s:
             row = await s.get(StoredResponse, response_id)
-        if row is None or row.run_id != run.id:
+        if row is None or row.run_id != _key_run(run):
             raise NotFound(
                 f"no stored response {response_id!r} in this run", param=param, code="not_found"
             )
@@ -186,13 +186,19 @@ class ResponsesService:
             s.add(
                 StoredResponse(
                     id=resp.id,
-                    run_id=run.id,
+                    run_id=_key_run(run),
                     completion_id=resp.completion_id or "",
                     previous_response_id=req.previous_response_id,
                     items=[*items, *output],
                     response=resp.model_dump(mode="json"),
                 )
             )
+
+
+def _key_run(run: Run) -> str:
+    """The run whose keys reach `run`: a stored response belongs to it, so a policy's
+    response can be retrieved, or continued by another policy (docs/policies.md)."""
+    return run.parent_id or run.id
 
 
 # --- translation -------------------------------------------------------------

@@ -356,3 +356,21 @@ def test_a_policy_joining_an_admitted_episode_is_never_held(
     joined = _ask(shared, "admitted/coder", [{"role": "user", "content": "fresh context"}])
     assert _policy_of(gateway_server, joined.id) == "coder"
     assert joined.model_extra["episode_id"] == "begun-by-planner"
+
+
+def test_a_policys_response_is_retrieved_and_continued_by_another_policy(
+    gateway_server: GatewayServer, team: dict
+) -> None:
+    agent = _agent(gateway_server, team)
+    first = agent.responses.create(
+        model="team/planner", input="Plan a number.", max_output_tokens=6
+    )
+    assert agent.responses.retrieve(first.id).id == first.id
+    second = agent.responses.create(
+        model="team/coder",
+        input="Now write it.",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+    )
+    assert _policy_of(gateway_server, second.completion_id) == "coder"
+    assert gateway_server.completion(second.completion_id)["parent_id"] == first.completion_id
