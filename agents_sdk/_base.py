@@ -45,13 +45,16 @@ class RewardAck:
     # Where the run, the episode and its group stand now (GET /v1/runs/self's answer):
     # version, next_step (ready_groups, groups_per_step), admission, episode, group.
     progress: dict[str, Any] | None = None
+    policy: str | None = None  # a policy-scoped reward's policy (docs/policies.md)
 
 
 class RewardTarget(TypedDict, total=False):
-    """What a reward post names: exactly one of the two ids, and an optional idempotency key."""
+    """What a reward post names: exactly one of the two ids, an optional policy (with an
+    episode id, on a run with policies) and an optional idempotency key."""
 
     completion_id: str | None
     episode_id: str | None
+    policy: str | None
     idempotency_key: str | None
 
 
@@ -163,10 +166,13 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
         completion_id: str | None,
         episode_id: str | None,
         idempotency_key: str | None,
+        policy: str | None = None,
     ) -> dict[str, Any]:
         """The JSON of a reward post; a fresh idempotency key makes the post safe to retry."""
         if (completion_id is None) == (episode_id is None):
             raise ValueError("give exactly one of completion_id or episode_id")
+        if policy is not None and episode_id is None:
+            raise ValueError("policy goes with episode_id: a completion's reward is its policy's")
         reward = float(value)
         if not math.isfinite(reward):
             raise ValueError(f"reward must be a finite number, got {value!r}")
@@ -175,6 +181,8 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
             body["completion_id"] = completion_id
         else:
             body["episode_id"] = episode_id
+        if policy is not None:
+            body["policy"] = policy
         body["idempotency_key"] = idempotency_key or uuid.uuid4().hex
         return body
 
@@ -185,6 +193,7 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
         completion_id: str | None = None,
         episode_id: str | None = None,
         idempotency_key: str | None = None,
+        policy: str | None = None,
     ) -> httpx.Request:
         """The reward post, with the client's headers and timeout, ready to send."""
         body = self.reward_body(
@@ -192,6 +201,7 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
             completion_id=completion_id,
             episode_id=episode_id,
             idempotency_key=idempotency_key,
+            policy=policy,
         )
         return self._http.build_request("POST", self.base_url + "/rewards", json=body)
 
@@ -237,6 +247,7 @@ class BaseGate(Generic[TransportT, HttpT, EpisodeT, GroupT]):
                 episode_status=data["episode_status"],
                 duplicate=data.get("duplicate", False),
                 progress=data.get("progress"),
+                policy=data.get("policy"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise APIResponseError(

@@ -89,9 +89,13 @@ class Episode(_EpisodeBase["RLGate"]):
         """
         return openai.OpenAI(**self._openai_kwargs(kwargs, httpx.Client))
 
-    def reward(self, value: float, idempotency_key: str | None = None) -> RewardAck:
-        """Reward the whole episode."""
-        return self.gate.reward(value, episode_id=self.id, idempotency_key=idempotency_key)
+    def reward(
+        self, value: float, idempotency_key: str | None = None, policy: str | None = None
+    ) -> RewardAck:
+        """Reward the whole episode (`policy`: that policy's turns only, docs/policies.md)."""
+        return self.gate.reward(
+            value, episode_id=self.id, idempotency_key=idempotency_key, policy=policy
+        )
 
     def reward_completion(
         self, completion_id: str, value: float, idempotency_key: str | None = None
@@ -160,9 +164,13 @@ class AsyncEpisode(_EpisodeBase["AsyncRLGate"]):
         """An AsyncOpenAI client filed under this episode; `kwargs` go to `openai.AsyncOpenAI`."""
         return openai.AsyncOpenAI(**self._openai_kwargs(kwargs, httpx.AsyncClient))
 
-    async def reward(self, value: float, idempotency_key: str | None = None) -> RewardAck:
-        """Reward the whole episode."""
-        return await self.gate.reward(value, episode_id=self.id, idempotency_key=idempotency_key)
+    async def reward(
+        self, value: float, idempotency_key: str | None = None, policy: str | None = None
+    ) -> RewardAck:
+        """Reward the whole episode (`policy`: that policy's turns only, docs/policies.md)."""
+        return await self.gate.reward(
+            value, episode_id=self.id, idempotency_key=idempotency_key, policy=policy
+        )
 
     async def reward_completion(
         self, completion_id: str, value: float, idempotency_key: str | None = None

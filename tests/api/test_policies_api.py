@@ -374,3 +374,19 @@ def test_a_policys_response_is_retrieved_and_continued_by_another_policy(
     )
     assert _policy_of(gateway_server, second.completion_id) == "coder"
     assert gateway_server.completion(second.completion_id)["parent_id"] == first.completion_id
+
+
+def test_the_python_client_posts_a_policy_scoped_reward(
+    gateway_server: GatewayServer, team: dict
+) -> None:
+    from agents_sdk import NotFoundError, RLGate
+
+    _episode_of_two_policies(gateway_server, team, "sdk-1")
+    with RLGate(team["base_url"], team["api_key"]) as gate:
+        ack = gate.episode("sdk-1").reward(1.0, policy="planner")
+        assert (ack.policy, ack.episode_status) == ("planner", "rewarded")
+        with pytest.raises(NotFoundError):
+            gate.episode("sdk-1").reward(1.0, policy="reviewer")
+        with pytest.raises(ValueError, match="policy goes with episode_id"):
+            gate.reward(1.0, completion_id="chatcmpl-x", policy="planner")
+    assert _statuses(gateway_server, "sdk-1") == {"coder": "open", "planner": "rewarded"}
