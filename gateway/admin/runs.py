@@ -162,7 +162,7 @@ class RunService:
                 model=parent.model,
                 model_path=parent.model_path,
                 backend=parent.backend,
-                status="active",
+                status=parent.status,  # a policy follows its run (paused, stopped)
                 config=cfg.model_dump(),
                 current_version=0,
                 counters={},
