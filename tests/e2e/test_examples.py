@@ -17,9 +17,8 @@ pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module")
-def env(gateway_server) -> dict[str, str]:
-    run = gateway_server.create_run(name="examples")
+def _env_of(run: dict) -> dict[str, str]:
+    """The environment an example reads its run from."""
     return dict(
         os.environ,
         RLGATE_BASE_URL=run["base_url"],
@@ -28,14 +27,21 @@ def env(gateway_server) -> dict[str, str]:
     )
 
 
-def test_openai_sdk_example(env, gateway_server) -> None:
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "openai_sdk.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def _example(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """examples/`script` run to its end (Python, or bash for a .sh)."""
+    runner = ["bash"] if script.endswith(".sh") else [sys.executable]
+    return subprocess.run(
+        [*runner, str(EXAMPLES / script)], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+@pytest.fixture(scope="module")
+def env(gateway_server) -> dict[str, str]:
+    return _env_of(gateway_server.create_run(name="examples"))
+
+
+def test_openai_sdk_example(env, gateway_server) -> None:
+    out = _example("openai_sdk.py", env)
     assert out.returncode == 0, out.stderr
     assert "episode example-1 is rewarded" in out.stdout
     assert (
@@ -47,9 +53,7 @@ def test_openai_sdk_example(env, gateway_server) -> None:
 
 
 def test_curl_example(env, gateway_server) -> None:
-    out = subprocess.run(
-        ["bash", str(EXAMPLES / "curl.sh")], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = _example("curl.sh", env)
     assert out.returncode == 0, out.stderr
     assert '"episode_status":"rewarded"' in out.stdout
 
@@ -68,13 +72,7 @@ def test_curl_example(env, gateway_server) -> None:
     ],
 )
 def test_framework_examples(env, gateway_server, script: str, episode: str, answered: str) -> None:
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = _example(script, env)
     assert out.returncode == 0, out.stderr
     assert answered in out.stdout, out.stdout
     assert f"episode {episode} is rewarded" in out.stdout
@@ -94,13 +92,7 @@ def test_token_versions_example(env) -> None:
     """The example reads `policy_version` (and `version_starts`, when a swap happened
     mid-call) from a plain and a streamed answer; no swap happens here, so each answer
     names the run's one served version from token 0."""
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "token_versions.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = _example("token_versions.py", env)
     assert out.returncode == 0, out.stderr
     assert "versions: from token 0: v0" in out.stdout
     assert "streamed versions: from token 0: v0" in out.stdout
@@ -181,19 +173,7 @@ def test_policies_example_files_both_agents_under_one_episode(gateway_server) ->
         name="team-example",
         config={"lora_rank": 4, "policies": {"planner": {}, "writer": {}}},
     )
-    env = dict(
-        os.environ,
-        RLGATE_BASE_URL=run["base_url"],
-        RLGATE_API_KEY=run["api_key"],
-        RLGATE_MODEL=run["name"],
-    )
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "policies_agents.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = _example("policies_agents.py", _env_of(run))
     assert out.returncode == 0, out.stderr
     assert "final output:" in out.stdout, out.stdout
     episode = out.stdout.split("episode ", 1)[1].split()[0]

@@ -181,3 +181,15 @@ def scoped_then_whole(team: Team) -> None:
     # above, and a zero-variance group teaches nothing; this one always differs.
     after = team.train(lambda _policy, place, _tokens: float(place), None)
     assert all(after[p] > before[p] for p in POLICIES), (before, after)
+
+
+def create_team(stack, db: str, **body: object) -> Team:
+    """A run named "team" with the policies of CONFIG on `stack` (`body`: more of the
+    create request, e.g. a backend and its replicas)."""
+    with stack.admin() as admin:
+        r = admin.post(
+            "/admin/v1/runs", json={"name": "team", "model": "smollm2", "config": CONFIG, **body}
+        )
+    assert r.status_code == 201, r.text
+    created = r.json()
+    return Team(created, created["base_url"].removesuffix("/v1"), stack.admin, db)

