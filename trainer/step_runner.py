@@ -26,6 +26,7 @@ from trainer.batch import Sample
 from trainer.config import RunConfig
 from trainer.engine import Engine
 from trainer.engines import engine_class, engine_entry
+from trainer.heap import release_free_memory
 from trainer.resident_pool import ResidentPool
 from trainer.resident_protocol import Init
 from trainer.shared_base import SharedBases
@@ -120,6 +121,7 @@ class InProcessRunner:
             )
         if job.optimizer_out is not None:
             engine.save_optimizer(job.optimizer_out)
+        release_free_memory()  # the step's activations: back to the system (trainer.heap)
         return metrics, torch.get_num_threads()
 
     def discard(self, run_id: str) -> None:
