@@ -293,3 +293,45 @@ def test_sqlite_held_out_split_keeps_rows_and_refuses_crossing(sqlite_url: str) 
 @pytest.mark.integration
 def test_postgres_held_out_split_keeps_rows_and_refuses_crossing(pg_schema: str) -> None:
     _check_held_out_migration(PG_URL)
+
+
+# --- policies of a run (0011) ---------------------------------------------------------
+
+
+def _check_policies_migration(url: str) -> None:
+    upgrade(url, "0010")
+    _insert_completion(url)
+    engine = make_sync_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO rewards (run_id, episode_id, value, created_at)"
+                    " VALUES ('r', 'e', 1.0, CURRENT_TIMESTAMP)"
+                )
+            )
+        upgrade(url, "0011")
+        with engine.connect() as conn:
+            # rows stored before are runs without policies, and are all still there
+            assert conn.execute(text("SELECT id, parent_id, policy FROM runs")).all() == [
+                ("r", None, None)
+            ]
+            assert conn.execute(text("SELECT policy FROM rewards")).all() == [(None,)]
+        downgrade(url, "0010")
+        with engine.connect() as conn:
+            # the downgrade drops the columns in place: nothing cascades out of `runs`
+            for table in ("runs", "episodes", "completions", "rewards"):
+                assert conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar() == 1, table
+            assert "parent_id" not in {c["name"] for c in inspect(engine).get_columns("runs")}
+    finally:
+        engine.dispose()
+    upgrade(url)
+
+
+def test_sqlite_policies_columns_keep_every_row(sqlite_url: str) -> None:
+    _check_policies_migration(sqlite_url)
+
+
+@pytest.mark.integration
+def test_postgres_policies_columns_keep_every_row(pg_schema: str) -> None:
+    _check_policies_migration(PG_URL)
