@@ -42,10 +42,10 @@ class RewardAck:
     episode_status: str
     # True when the idempotency key had been seen: this post was not stored again.
     duplicate: bool = False
+    policy: str | None = None  # a policy-scoped reward's policy (docs/policies.md)
     # Where the run, the episode and its group stand now (GET /v1/runs/self's answer):
     # version, next_step (ready_groups, groups_per_step), admission, episode, group.
     progress: dict[str, Any] | None = None
-    policy: str | None = None  # a policy-scoped reward's policy (docs/policies.md)
 
 
 class RewardTarget(TypedDict, total=False):
