@@ -115,8 +115,9 @@ class Team:
             if scope is None:  # one reward for the episode, from both answers
                 r = reward("episode", f"{e}", sum(n for _, n in answers.values()))
                 posts.append({"episode_id": episode, "reward": r})
-            else:
-                r = reward(scope, *answers[scope])
+            else:  # + a tie-break by place: once every sample leaves the base answer (while
+                # the greedy one may not yet), a group still differs, and a step still trains
+                r = reward(scope, *answers[scope]) + 0.01 * e
                 posts.append({"episode_id": episode, "policy": scope, "reward": r})
             rewards.append(r)
         self.agent().post("/rewards", body=posts, cast_to=object)
