@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from core.store.status import EpisodeStatus
+from gateway.agent.policies import declared_policies
 from gateway.deps import RunDep
 from gateway.errors import InvalidRequest
 from gateway.protocol import RewardAck, RewardRequest
@@ -36,7 +37,7 @@ async def post_reward(
     acks = await request.app.state.rewards.post_many(run, [_targeted(b, request) for b in items])
     if any(a.episode_status == EpisodeStatus.REWARDED for a in acks):
         # a run with policies trains each policy's run (docs/policies.md)
-        children = await request.app.state.policies.of(run.id) if run.config.get("policies") else {}
+        children = await request.app.state.policies.of(run.id) if declared_policies(run) else {}
         for run_id in [c.id for c in children.values()] or [run.id]:
             await request.app.state.scheduler.maybe_schedule(run_id)
     acks = await request.app.state.run_status.with_progress(run.id, acks)
