@@ -6,7 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.store.episodes import EpisodeFilter
+from core.store.status import EpisodeStatus
 from trainer.config import POLICY_NAME, PolicySpec
+
+INT32_MAX = 2**31 - 1  # integer query values are stored or compared as 32-bit columns
 
 # Config knobs the gateway and the scheduler read afresh on every pass, so a change takes
 # effect at the next scheduling decision. Loss and optimizer knobs are not here: a worker
@@ -84,6 +88,30 @@ class EpisodeSummary(BaseModel):
     created_at: str
     sampled_tokens: int = 0  # over all turns
     drift: bool = False  # some turn's prompt drifted from the chat template's rendering
+
+
+class EpisodeQuery(BaseModel):
+    """`GET /admin/v1/runs/{run_id}/episodes`' query: one page, newest first, filtered.
+
+    `after`: the previous page's last episode id. `version`: episodes with a turn sampled
+    by that policy version; `length_*`: tokens sampled over all turns; `drift`: a turn had
+    template drift (or none did).
+    """
+
+    status: EpisodeStatus | None = None
+    reward_min: float | None = Field(None, allow_inf_nan=False)
+    reward_max: float | None = Field(None, allow_inf_nan=False)
+    version: int | None = Field(None, ge=0, le=INT32_MAX)
+    limit: int = Field(50, ge=1, le=500)
+    after: str | None = Field(None, max_length=100)
+    group_id: str | None = Field(None, min_length=1, max_length=100)
+    length_min: int | None = Field(None, ge=0, le=INT32_MAX)
+    length_max: int | None = Field(None, ge=0, le=INT32_MAX)
+    drift: bool | None = None
+
+    def episodes(self) -> EpisodeFilter:
+        """The store's filter of the episodes this query keeps."""
+        return EpisodeFilter(**self.model_dump(exclude={"limit", "after"}))
 
 
 class EpisodePage(BaseModel):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Insert,
-    Select,
     Update,
     and_,
     bindparam,
@@ -146,55 +146,41 @@ async def reopen_rewarded(session: AsyncSession, keys: Iterable[tuple[str, str]]
         await conn.execute(reopen_stmt(), params)
 
 
+@dataclass(frozen=True)
+class EpisodeFilter:
+    """Which of a run's episodes a page holds; None: no restriction.
+
+    `version`: some completion was sampled by that version; `min_version`: none was
+    sampled by an older one. `length_min`/`length_max` bound the tokens sampled over all
+    the episode's turns; `drift`: some turn (True) or no turn (False) had template drift;
+    `held_out`: evaluation (True) or training (False) episodes only. The others are plain
+    column bounds.
+    """
+
+    status: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    version: int | None = None
+    min_version: int | None = None
+    group_id: str | None = None
+    length_min: int | None = None
+    length_max: int | None = None
+    drift: bool | None = None
+    held_out: bool | None = None
+
+
 async def episode_page(
     session: AsyncSession,
     run_id: str,
+    filt: EpisodeFilter,
     *,
     limit: int,
     newest_first: bool = False,
     after: tuple[datetime, str] | None = None,
-    status: str | None = None,
-    reward_min: float | None = None,
-    reward_max: float | None = None,
-    sampled_by: int | None = None,
-    min_version: int | None = None,
-    group_id: str | None = None,
-    min_tokens: int | None = None,
-    max_tokens: int | None = None,
-    drift: bool | None = None,
-    held_out: bool | None = None,
 ) -> list[Episode]:
-    """One keyset page of a run's episodes in `(created_at, id)` order.
-
-    `after` is the `(created_at, id)` of the previous page's last episode.
-    `sampled_by`: a completion was sampled by that version; `min_version`:
-    none was sampled by an older one. `min_tokens`/`max_tokens` bound the
-    tokens sampled over all the episode's turns; `drift`: some turn (True) or
-    no turn (False) had template drift; `held_out`: evaluation (True) or training (False)
-    episodes only. Other filters are plain column bounds.
-    """
-    stmt: Select = select(Episode).where(Episode.run_id == run_id)
-    if status is not None:
-        stmt = stmt.where(Episode.status == status)
-    if held_out is not None:
-        stmt = stmt.where(Episode.held_out.is_(held_out))
-    if group_id is not None:
-        stmt = stmt.where(Episode.group_id == group_id)
-    if min_tokens is not None:
-        stmt = stmt.where(_sampled_bytes() >= 4 * min_tokens)
-    if max_tokens is not None:
-        stmt = stmt.where(_sampled_bytes() <= 4 * max_tokens)
-    if drift is not None:
-        drifted = _has_completion(Completion.drift.is_(True))
-        stmt = stmt.where(drifted if drift else ~drifted)
-    if reward_min is not None:
-        stmt = stmt.where(Episode.reward >= reward_min)
-    if reward_max is not None:
-        stmt = stmt.where(Episode.reward <= reward_max)
-    if sampled_by is not None:
-        stmt = stmt.where(_has_completion(Completion.policy_version == sampled_by))
-    if min_version is not None:
-        stmt = stmt.where(~_has_completion(Completion.policy_version < min_version))
+    """One keyset page of the run's episodes that `filt` keeps, in `(created_at, id)` order;
+    `after` is the `(created_at, id)` of the previous page's last episode."""
+    stmt = select(Episode).where(Episode.run_id == run_id, *_episode_bounds(filt))
     if after is not None:
         created, last_id = after
         if newest_first:
@@ -213,6 +199,30 @@ async def episode_page(
     else:
         stmt = stmt.order_by(Episode.created_at, Episode.id)
     return list((await session.execute(stmt.limit(limit))).scalars())
+
+
+def _episode_bounds(f: EpisodeFilter) -> Iterator[ColumnElement[bool]]:
+    if f.status is not None:
+        yield Episode.status == f.status
+    if f.held_out is not None:
+        yield Episode.held_out.is_(f.held_out)
+    if f.group_id is not None:
+        yield Episode.group_id == f.group_id
+    if f.length_min is not None:
+        yield _sampled_bytes() >= 4 * f.length_min
+    if f.length_max is not None:
+        yield _sampled_bytes() <= 4 * f.length_max
+    if f.drift is not None:
+        drifted = _has_completion(Completion.drift.is_(True))
+        yield drifted if f.drift else ~drifted
+    if f.reward_min is not None:
+        yield Episode.reward >= f.reward_min
+    if f.reward_max is not None:
+        yield Episode.reward <= f.reward_max
+    if f.version is not None:
+        yield _has_completion(Completion.policy_version == f.version)
+    if f.min_version is not None:
+        yield ~_has_completion(Completion.policy_version < f.min_version)
 
 
 def _has_completion(condition) -> Any:

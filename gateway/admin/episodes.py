@@ -26,6 +26,7 @@ from gateway.protocol_admin import (
     CompletionDetail,
     EpisodeDetail,
     EpisodePage,
+    EpisodeQuery,
     EpisodeSummary,
     GroupDetail,
     TokenView,
@@ -61,52 +62,29 @@ class EpisodeAdmin:
         self.sessions = sessions
         self.decoder = TokenDecoder()
 
-    async def list(
-        self,
-        run_id: str,
-        *,
-        status: str | None = None,
-        reward_min: float | None = None,
-        reward_max: float | None = None,
-        version: int | None = None,
-        limit: int = 50,
-        after: str | None = None,
-        group_id: str | None = None,
-        length_min: int | None = None,
-        length_max: int | None = None,
-        drift: bool | None = None,
-    ) -> EpisodePage:
-        """Newest first; `after` is the last episode id of the previous page.
-
-        `length_min`/`length_max` bound the tokens sampled over all turns; `drift`
-        keeps the episodes with (True) or without (False) a template-drift turn.
-        """
-        if reward_min is not None and reward_max is not None and reward_min > reward_max:
+    async def list(self, run_id: str, query: EpisodeQuery) -> EpisodePage:
+        """One page of `query`, newest first (`EpisodeQuery`)."""
+        q = query
+        if q.reward_min is not None and q.reward_max is not None and q.reward_min > q.reward_max:
             raise InvalidRequest("reward_min is above reward_max", param="reward_min")
-        if length_min is not None and length_max is not None and length_min > length_max:
+        if q.length_min is not None and q.length_max is not None and q.length_min > q.length_max:
             raise InvalidRequest("length_min is above length_max", param="length_min")
+        limit = q.limit
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
             anchor = None
-            if after is not None:
-                anchor = await s.get(Episode, (run_id, after))
+            if q.after is not None:
+                anchor = await s.get(Episode, (run_id, q.after))
                 if anchor is None:
-                    raise InvalidRequest(f"no episode {after!r} to page after", param="after")
+                    raise InvalidRequest(f"no episode {q.after!r} to page after", param="after")
             episodes = await episode_page(
                 s,
                 run_id,
+                q.episodes(),
                 limit=limit + 1,  # one more says whether a next page exists
                 newest_first=True,
                 after=(anchor.created_at, anchor.id) if anchor else None,
-                status=status,
-                reward_min=reward_min,
-                reward_max=reward_max,
-                sampled_by=version,
-                group_id=group_id,
-                min_tokens=length_min,
-                max_tokens=length_max,
-                drift=drift,
             )
             more = len(episodes) > limit
             summaries = await _summaries(s, run_id, episodes[:limit])

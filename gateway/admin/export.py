@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.store.completions import episode_completions
-from core.store.episodes import episode_page
+from core.store.episodes import EpisodeFilter, episode_page
 from core.store.models import Completion, Episode, as_utc
 from core.store.runs import policy_runs
 from core.store.status import EpisodeStatus
@@ -101,6 +101,11 @@ class ExportFilter:
     # Only episodes all of whose completions were sampled by this policy version or a later one.
     min_version: int | None = None
     split: ExportSplit = "train"
+
+    def episodes(self) -> EpisodeFilter:
+        """The store's filter of the episodes this export holds."""
+        held_out = self.split == "eval"
+        return EpisodeFilter(status=self.status, min_version=self.min_version, held_out=held_out)
 
     def can_match(self) -> bool:
         """An evaluation episode's status is `eval` for life, and only theirs is: a status
@@ -175,13 +180,7 @@ class ExportService:
         while True:
             async with self.sessions() as s:
                 page = await episode_page(
-                    s,
-                    run_id,
-                    limit=self.page_size,
-                    after=after,
-                    status=filt.status,
-                    min_version=filt.min_version,
-                    held_out=filt.split == "eval",
+                    s, run_id, filt.episodes(), limit=self.page_size, after=after
                 )
                 if not page:
                     return

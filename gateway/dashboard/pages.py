@@ -14,6 +14,7 @@ from urllib.parse import quote
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
 
 from gateway.dashboard.auth import cookie_secure, current_session
 from gateway.errors import APIError
@@ -84,5 +85,11 @@ def set_cookie(response: Response, name: str, value: str, max_age: int, request:
 
 
 def error_message(exc: Exception) -> str:
-    """What a page shows of a refusal: the service's message, or a parse error's first line."""
-    return exc.message if isinstance(exc, APIError) else str(exc).splitlines()[0][:300]
+    """What a page shows of a refusal: the service's message, a form field's first error,
+    or a parse error's first line."""
+    if isinstance(exc, APIError):
+        return exc.message
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"[:300]
+    return str(exc).splitlines()[0][:300]

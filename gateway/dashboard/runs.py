@@ -21,6 +21,7 @@ from gateway.dashboard.summary import runs_summary
 from gateway.deps import AgentBaseUrlDep, FeedSessionDep, PageSessionDep
 from gateway.errors import APIError, NotFound
 from gateway.protocol import RunCreate
+from gateway.protocol_admin import EpisodeQuery
 
 router = APIRouter(include_in_schema=False)
 actions = APIRouter(include_in_schema=False)
@@ -54,7 +55,7 @@ async def run_page(
     run = await st.runs.public(await st.runs.get(run_id), base_url)
     try:
         filters, parsed = episode_filters(request.query_params)
-        episodes = await st.episode_admin.list(run_id, **parsed, limit=100)
+        episodes = await st.episode_admin.list(run_id, EpisodeQuery(**parsed, limit=100))
     except (ValueError, APIError) as exc:
         return redirect(f"{PREFIX}/runs/{run_id}", error_message(exc))
     versions = [v.model_dump() for v in await st.run_admin.versions(run_id)]
