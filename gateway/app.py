@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from starlette.datastructures import State
 
 from core.settings import Settings
-from core.store.db import make_async_engine, make_call_engine
+from core.store.db import is_postgres, make_async_engine
 from core.store.migrate import upgrade
 from gateway.admin.key_quotas import KeyQuotaAdmin
 from gateway.admin.keys import KeyService
@@ -209,12 +209,16 @@ async def build_services(state: State, settings: Settings, migrate: bool) -> Eng
     # (`core.store.pg_driver`). The group commit's commits do not wait for the WAL
     # flush unless `capture_synchronous_commit` (the flush was most of the latency
     # rlgate added to a call: docs/deployment.md, "Durability of captures").
-    call_engine = make_call_engine(
-        url, settings.db_call_pool_size, synchronous_commit=settings.capture_synchronous_commit
-    )
-    call_sessions = (
-        async_sessionmaker(call_engine, expire_on_commit=False) if call_engine else sessions
-    )
+    call_engine: AsyncEngine | None = None
+    call_sessions = sessions
+    if is_postgres(url):
+        call_engine = make_async_engine(
+            url,
+            settings.db_call_pool_size,
+            autocommit=True,
+            synchronous_commit=settings.capture_synchronous_commit,
+        )
+        call_sessions = async_sessionmaker(call_engine, expire_on_commit=False)
     capture = CaptureWriter(
         call_sessions, max_batch=settings.capture_max_batch, linger_s=settings.capture_linger_s
     )

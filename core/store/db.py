@@ -20,6 +20,10 @@ def rowcount(result: Result[Any]) -> int:
     return cast("CursorResult[Any]", result).rowcount
 
 
+def is_postgres(url: str) -> bool:
+    return make_url(url).get_backend_name() == "postgresql"
+
+
 def normalize_url(url: str, *, asynchronous: bool) -> str:
     """Pick the driver: aiosqlite/sqlite3 for SQLite, psycopg (v3, both modes) for PostgreSQL."""
     u = make_url(url)
@@ -73,9 +77,16 @@ def make_async_engine(
     `wal_writer_delay`s). A crash of the client loses nothing committed; a crash of the
     server can lose the last fraction of a second. Set once per connection, not per commit.
 
-    `autocommit=True` (PostgreSQL): the call path's pool (`make_call_engine`).
+    `autocommit=True` (PostgreSQL): the pool of the statements every agent call runs
+    straight on psycopg (`core.store.pg_driver`: its placement reads and the group commit).
+    Its connections are in autocommit from the start and go back to the pool as they are:
+    no ROLLBACK at check-in and no isolation level set and reset around each use. Through
+    the main pool those two cost more CPU than the read they wrapped (SQLAlchemy's async
+    adaption runs each as a greenlet hop). A statement that fails mid-transaction ends it
+    itself (`core.store.capture_pg`), so no connection goes back inside one. Other
+    databases have no such pool: the call path uses the main one there.
     """
-    if make_url(url).get_backend_name() != "postgresql":
+    if not is_postgres(url):
         engine = create_async_engine(normalize_url(url, asynchronous=True), pool_pre_ping=pre_ping)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
@@ -95,34 +106,6 @@ def make_async_engine(
     if pre_ping:
         ping_stale_connections(engine, ping_after_idle_s)
     return engine
-
-
-def make_call_engine(
-    url: str,
-    pool_size: int = 8,
-    *,
-    synchronous_commit: bool = True,
-    ping_after_idle_s: float = PING_AFTER_IDLE_S,
-) -> AsyncEngine | None:
-    """PostgreSQL: the pool of the statements every agent call runs straight on psycopg
-    (`core.store.pg_driver`: its placement reads and the group commit); None elsewhere.
-
-    Its connections are in autocommit from the start and go back to the pool as they are:
-    no ROLLBACK at check-in and no isolation level set and reset around each use. Through
-    the main pool those two cost more CPU than the read they wrapped (SQLAlchemy's async
-    adaption runs each as a greenlet hop). A statement that fails mid-transaction ends it
-    itself (`core.store.capture_pg`), so no connection goes back inside one.
-    `synchronous_commit`: as `make_async_engine` (the group commit's durability).
-    """
-    if make_url(url).get_backend_name() != "postgresql":
-        return None
-    return make_async_engine(
-        url,
-        pool_size,
-        synchronous_commit=synchronous_commit,
-        autocommit=True,
-        ping_after_idle_s=ping_after_idle_s,
-    )
 
 
 def _no_flush_wait(dbapi_connection, record) -> None:

@@ -21,7 +21,8 @@ from core.store.pg_driver import driver_connection, psycopg_engine
 
 
 class Lineage:
-    """`sessions`: best on the call path's pool (`core.store.db.make_call_engine`)."""
+    """`sessions`: best on the call path's pool (`core.store.db.make_async_engine` with
+    `autocommit`)."""
 
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._pg = psycopg_engine(sessions)

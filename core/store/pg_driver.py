@@ -89,8 +89,8 @@ def psycopg_engine(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine | 
 async def driver_connection(engine: AsyncEngine) -> AsyncIterator[psycopg.AsyncConnection]:
     """A pooled connection's psycopg connection for the block, in autocommit (a statement
     runs alone unless the block sends its own BEGIN and COMMIT). Cheapest from the call
-    path's pool (`core.store.db.make_call_engine`), whose connections are born in
-    autocommit; another pool's connection is switched for the block.
+    path's pool (`core.store.db.make_async_engine` with `autocommit`), whose connections
+    are born in autocommit; another pool's connection is switched for the block.
 
     psycopg's errors leave the block as SQLAlchemy's; a connection one of them left
     broken is invalidated, so the pool opens a new one instead of handing it out again.

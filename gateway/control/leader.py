@@ -37,11 +37,10 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from core.store.db import normalize_url
+from core.store.db import is_postgres, normalize_url
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +141,6 @@ class LeaderCollector(Collector):
 
 def make_leader(url: str, interval_s: float) -> SoleLeader | AdvisoryLockLeader:
     """The advisory lock on PostgreSQL; a sole leader on SQLite (one process)."""
-    if make_url(url).get_backend_name() == "postgresql":
+    if is_postgres(url):
         return AdvisoryLockLeader(url, interval_s)
     return SoleLeader()

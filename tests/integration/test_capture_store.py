@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.store import capture_pg
-from core.store.db import make_async_engine, make_call_engine
+from core.store.db import is_postgres, make_async_engine
 from core.store.models import Completion, Episode, Reward, Run
 from core.store.status import EpisodeStatus
 from gateway.agent.capture import CaptureWriter
@@ -52,7 +52,7 @@ def _writer(url: str, **kw) -> CaptureWriter:
     """The writer as the app builds it: on PostgreSQL the call path's pool (one connection
     here, so a batch that failed hands the next one the same connection, which goes back
     to the pool unreset), on SQLite the store's own engine."""
-    engine = make_call_engine(url, 1) or make_async_engine(url, 1, pre_ping=False)
+    engine = make_async_engine(url, 1, pre_ping=is_postgres(url), autocommit=True)
     return CaptureWriter(async_sessionmaker(engine, expire_on_commit=False), **kw)
 
 

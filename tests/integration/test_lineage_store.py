@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.store import completions as store
 from core.store import lineage_pg
-from core.store.db import make_async_engine, make_call_engine
+from core.store.db import is_postgres, make_async_engine
 from core.store.lineage import Lineage
 from core.store.migrate import upgrade
 from core.store.models import Completion, Episode, Run
@@ -57,10 +57,12 @@ async def sessions(db_url: str):
 @pytest.fixture
 async def lineage(db_url: str, sessions):
     """The reads as the app makes them: on PostgreSQL on the call path's own pool."""
-    call = make_call_engine(db_url, 1)
-    yield Lineage(async_sessionmaker(call, expire_on_commit=False) if call else sessions)
-    if call is not None:
-        await call.dispose()
+    if not is_postgres(db_url):
+        yield Lineage(sessions)
+        return
+    call = make_async_engine(db_url, 1, autocommit=True)
+    yield Lineage(async_sessionmaker(call, expire_on_commit=False))
+    await call.dispose()
 
 
 @pytest.fixture
@@ -163,7 +165,7 @@ async def test_a_dropped_connection_is_an_outage_once_then_replaced(postgres_url
     """PostgreSQL: a pooled connection the server dropped fails one read with SQLAlchemy's
     OperationalError (the gateway's retryable 503) and is not handed out again."""
     await asyncio.to_thread(upgrade, postgres_url)
-    engine = make_call_engine(postgres_url, 1, ping_after_idle_s=60.0)
+    engine = make_async_engine(postgres_url, 1, autocommit=True, ping_after_idle_s=60.0)
     lineage = Lineage(async_sessionmaker(engine, expire_on_commit=False))
     try:
         assert await lineage.parent(RUN, {"h": 1}, SINCE, None) is None
