@@ -210,23 +210,32 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None  # set when a run thinks
 
 
-class ChatCompletion(BaseModel):
+class SampledCompletion(BaseModel):
+    """What an OpenAI chat or text completion object says of where it came from, with
+    rlgate's record of the episode and the policy version that sampled it."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str  # each kind's literal
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[Choice]
-    usage: Usage
+    choices: list[Any]  # each kind's choices
+    usage: Usage | None = None
     system_fingerprint: str | None = None
     # --- rlgate extensions
     # The episode (n = 1) or group (n > 1) this call was filed under, and the policy
     # version that sampled it (the oldest among its tokens; of the first choice).
     episode_id: str | None = None
-    group_id: str | None = None
     policy_version: int | None = None
     # Where each version began, [[token index, version], ...], when a keep-mode hot swap
     # happened while the first choice was sampled; null: all by `policy_version`.
     version_starts: list[list[int]] | None = None
+
+
+class ChatCompletion(SampledCompletion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[Choice]
+    usage: Usage
+    group_id: str | None = None  # rlgate: the group a call with n > 1 was filed under
 
 
 class ModelCard(BaseModel):

@@ -7,12 +7,17 @@ blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from gateway.protocol import OpenAIModel, StreamOptions, Usage, finite_or_none
+from gateway.protocol import (
+    OpenAIModel,
+    SampledCompletion,
+    StreamOptions,
+    Usage,
+    finite_or_none,
+)
 from gateway.request_caps import CAPS, check_stop
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -107,19 +112,9 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
-class TextCompletion(BaseModel):
-    id: str
+class TextCompletion(SampledCompletion):
+    """`id` is the completion id to reward."""
+
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
-    # --- rlgate extensions
-    # The episode this completion was filed under and the policy version that sampled it;
-    # `id` is the completion id to reward.
-    episode_id: str | None = None
-    policy_version: int | None = None
-    # Where each version began, [[token index, version], ...], when a keep-mode hot swap
-    # happened while it was sampled; null: every token by `policy_version` (the oldest).
-    version_starts: list[list[int]] | None = None

@@ -9,7 +9,7 @@ names the block (`messages[1].content[0]`) plainly.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -61,6 +61,13 @@ class CountTokensRequest(OpenAIModel):
 
 
 class MessagesRequest(CountTokensRequest):
+    # Chat request fields this request names otherwise (chat name: ours); the chat service's
+    # errors about them name ours (`gateway.agent.completions.params_renamed`).
+    RENAMED_CHAT_FIELDS: ClassVar[dict[str, str]] = {
+        "max_completion_tokens": "max_tokens",
+        "stop": "stop_sequences",
+    }
+
     max_tokens: int = Field(ge=1, le=CAPS.token_count)
     metadata: dict[str, str | None] | None = None
     stop_sequences: list[str] | None = None

@@ -9,7 +9,7 @@ blocks marked `# --- rlgate extensions`. Unknown request fields are accepted
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -20,6 +20,13 @@ from gateway.request_caps import CAPS, check_parts
 
 
 class ResponsesRequest(OpenAIModel):
+    # Chat request fields this request names otherwise (chat name: ours); the chat service's
+    # errors about them name ours (`gateway.agent.completions.params_renamed`).
+    RENAMED_CHAT_FIELDS: ClassVar[dict[str, str]] = {
+        "messages": "input",
+        "max_completion_tokens": "max_output_tokens",
+    }
+
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     include: list[str] | None = None

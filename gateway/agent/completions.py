@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -36,7 +36,7 @@ from gateway.agent.episodes import (
 )
 from gateway.agent.policies import PolicyRuns
 from gateway.control.admission import Admission, run_unavailable
-from gateway.control.backends import BackendPool, PinUnsupported, RunServing
+from gateway.control.backends import BackendPool, PinUnsupported, RunServing, ServedWeights
 from gateway.errors import APIError, InvalidRequest, Unavailable, backend_failure
 from gateway.protocol import ChatCompletion, ChatCompletionRequest
 from inference import registry
@@ -145,14 +145,8 @@ class ChatService:
                     self._checkpoints.clear()
                 self._checkpoints[key] = ckpt
         try:
-            return await self.pool.get(
-                run.id,
-                Path(run.model_path),
-                run.backend,
-                run.current_version,
-                Path(ckpt) if ckpt else None,
-                lora=run.config.get("lora_rank") is not None,
-            )
+            weights = _weights(run, run.current_version, Path(ckpt) if ckpt else None)
+            return await self.pool.get(run.id, weights)
         except (OSError, ValueError) as exc:
             logger.exception("could not load the model of run %s", run.id)
             raise Unavailable(f"the model of run {run.id} could not be loaded") from exc
@@ -171,14 +165,8 @@ class ChatService:
                 code="version_not_kept",
             )
         try:
-            return await self.pool.pinned(
-                run.id,
-                Path(run.model_path),
-                run.backend,
-                version,
-                paths[version] if version > 0 else None,
-                lora=run.config.get("lora_rank") is not None,
-            )
+            weights = _weights(run, version, paths[version] if version > 0 else None)
+            return await self.pool.pinned(run.id, weights)
         except PinUnsupported as exc:
             raise InvalidRequest(
                 f"{VERSION_HEADER}: {exc}; pins are served for LoRA runs and on the local backend",
@@ -235,13 +223,11 @@ class ChatService:
         prompt_ids, spliced = await self.render(serving, req, messages, placement)
         template = serving.template
         params = sampling_params(
+            req,
             n_prompt=len(prompt_ids),
             max_new=req.max_new_tokens(DEFAULT_MAX_TOKENS),
             max_context=serving.max_context,
-            temperature=req.temperature,
-            top_p=req.top_p,
             top_k=req.top_k,
-            seed=req.seed,
             stop_token_ids=template.stop_token_ids,
             stop=req.stop_strings(),
             param="messages",
@@ -455,20 +441,27 @@ class ChatService:
         await self.capture.submit(rows, group_id, evaluation=evaluation)
 
 
+class SamplingFields(Protocol):
+    """The sampling fields a chat or text completion request has in common."""
+
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+
+
 def sampling_params(
+    req: SamplingFields,
     *,
     n_prompt: int,
     max_new: int,
     max_context: int,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
     top_k: int | None = None,
     stop_token_ids: tuple[int, ...],
     stop: tuple[str, ...],
     param: str,
 ) -> SamplingParams:
-    """Validated sampling parameters; a client error is an InvalidRequest naming `param`."""
+    """`req`'s validated sampling parameters; a client error is an InvalidRequest naming
+    `param`."""
     if n_prompt + max_new > max_context:
         raise InvalidRequest(
             f"prompt ({n_prompt} tokens) plus max_tokens ({max_new}) exceeds the "
@@ -476,16 +469,16 @@ def sampling_params(
             param=param,
             code="context_length_exceeded",
         )
-    temp = 1.0 if temperature is None else temperature
+    temp = 1.0 if req.temperature is None else req.temperature
     if temp < MIN_TEMPERATURE:
         temp = 0.0  # greedy: a vanishing temperature is argmax anyway
     try:
         return SamplingParams(
             max_tokens=max_new,
             temperature=temp,
-            top_p=top_p or 1.0,
+            top_p=req.top_p or 1.0,
             top_k=max(top_k or 0, 0),
-            seed=seed,
+            seed=req.seed,
             stop_token_ids=stop_token_ids,
             stop=stop,
         )
@@ -540,6 +533,12 @@ def params_renamed(names: dict[str, str]) -> Iterator[None]:
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)
         raise
+
+
+def _weights(run: Run, version: int, ckpt: Path | None) -> ServedWeights:
+    """`version` of the run's model, read from `ckpt` (None: the model as created)."""
+    lora = run.config.get("lora_rank") is not None
+    return ServedWeights(Path(run.model_path), run.backend, version, ckpt, lora=lora)
 
 
 def new_chat_id() -> str:

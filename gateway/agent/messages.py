@@ -61,8 +61,6 @@ from inference.tool_prompt import with_tools
 
 logger = logging.getLogger(__name__)
 
-# Chat request fields that have another name in a Messages request.
-CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 REFUSED_BLOCKS = ("image", "document", "search_result", "container_upload")
 
 
@@ -109,7 +107,7 @@ class MessagesService:
     async def prepare(self, run: Run, req: MessagesRequest, ref: EpisodeRef) -> Prepared:
         chat = chat_request(req, max_tokens=req.max_tokens)
         think = req.thinking is not None and req.thinking.type != "disabled"
-        with params_renamed(CHAT_TO_MESSAGES_PARAM):
+        with params_renamed(MessagesRequest.RENAMED_CHAT_FIELDS):
             return await self.chat.prepare(run, chat, ref, think=think)
 
 
@@ -160,7 +158,7 @@ def chat_request(req: CountTokensRequest, max_tokens: int) -> ChatCompletionRequ
         body["tool_choice"] = _tool_choice(req)
         if req.tool_choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
-    return translated_request(body, CHAT_TO_MESSAGES_PARAM)
+    return translated_request(body, MessagesRequest.RENAMED_CHAT_FIELDS)
 
 
 def _tool_choice(req: CountTokensRequest) -> Any:

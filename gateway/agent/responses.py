@@ -65,9 +65,6 @@ from gateway.protocol_responses import (
 
 logger = logging.getLogger(__name__)
 
-# Chat request fields that have another name in a Responses request.
-CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
-
 
 @dataclass(frozen=True)
 class Conversation:
@@ -84,7 +81,7 @@ class ResponsesService:
 
     async def create(self, run: Run, req: ResponsesRequest, ref: EpisodeRef) -> ResponsesResponse:
         conv = await self.conversation(run, req)
-        with params_renamed(CHAT_TO_RESPONSES_PARAM):
+        with params_renamed(ResponsesRequest.RENAMED_CHAT_FIELDS):
             prep = await self.chat.prepare(run, conv.chat, ref)
             rows, _ = await self.chat.sample(prep, new_chat_id())
         row = rows[0]
@@ -99,7 +96,7 @@ class ResponsesService:
     ) -> StreamingResponse:
         """Every client error, and a backend full or down, is raised before the first event."""
         conv = await self.conversation(run, req)
-        with params_renamed(CHAT_TO_RESPONSES_PARAM):
+        with params_renamed(ResponsesRequest.RENAMED_CHAT_FIELDS):
             prep = await self.chat.prepare(run, conv.chat, ref)
         stream = SampleStream(self.chat, prep, new_chat_id())
         await stream.open()
@@ -170,7 +167,7 @@ class ResponsesService:
             "parallel_tool_calls": req.parallel_tool_calls,
         }
         chat = translated_request(
-            body, CHAT_TO_RESPONSES_PARAM, {"input": "at least one item is needed"}
+            body, ResponsesRequest.RENAMED_CHAT_FIELDS, {"input": "at least one item is needed"}
         )
         stored = [*history, *(item.model_dump(exclude_none=True) for item in items[len(history) :])]
         return Conversation(stored, chat)

@@ -105,13 +105,7 @@ class RunStatusService:
                 groups_per_step=cfg.groups_per_step,
                 in_flight=flight is not None,
             ),
-            admission=AdmissionState(
-                capacity=usage.capacity,
-                in_use=usage.in_use,
-                group_capacity=usage.group_capacity,
-                groups_in_use=usage.groups_in_use,
-                held=usage.held,
-            ),
+            admission=AdmissionState.model_validate(usage, from_attributes=True),
         )
         answers = []
         for episode_id, group_id in asks:

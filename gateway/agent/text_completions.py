@@ -69,12 +69,10 @@ class TextCompletionService:
             raise InvalidRequest("prompt is empty: it encodes to no tokens", param="prompt")
         # No chat template, but the template's end tokens still end a ChatML turn.
         params = sampling_params(
+            req,
             n_prompt=len(prompt_ids),
             max_new=req.max_tokens or DEFAULT_MAX_TOKENS,
             max_context=serving.max_context,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
             stop_token_ids=template.stop_token_ids,
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             param="prompt",

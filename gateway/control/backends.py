@@ -67,6 +67,19 @@ class RunServing:
     replicas: ReplicaSet[ServerClient] | None = None  # a remote run's servers
 
 
+@dataclass(frozen=True)
+class ServedWeights:
+    """Which weights a serving holds: `version` of the model at `model_dir` on a `backend`
+    kind, read from `ckpt` (None: the model as it is at `model_dir`). `lora`: the run trains
+    a LoRA adapter, and `ckpt` (beyond version 0) is that adapter."""
+
+    model_dir: Path
+    backend: str
+    version: int
+    ckpt: Path | None
+    lora: bool = False
+
+
 @dataclass
 class SharedBase:
     """One base model served in-process to every LoRA run on it (their adapters ride on it)."""
@@ -89,6 +102,10 @@ def pinned_adapter_name(run_id: str, version: int, tag: str = "") -> str:
     contain no "@"), so it never replaces the run's own adapter. `tag`: this process's,
     for adapters on servers that other gateway processes also load pins onto."""
     return f"{run_id}@v{version}" + (f".{tag}" if tag else "")
+
+
+def _parts(w: ServedWeights) -> tuple[Path, str, int, Path | None]:
+    return w.model_dir, w.backend, w.version, w.ckpt
 
 
 def _model_context(model_dir: Path) -> int:
@@ -142,57 +159,40 @@ class BackendPool:
         serving = self._serving.get(run_id)
         return None if serving is None else serving.backend.version
 
-    async def get(
-        self,
-        run_id: str,
-        model_dir: Path,
-        backend: str,
-        version: int,
-        ckpt: Path | None,
-        *,
-        lora: bool = False,
-    ) -> RunServing:
-        """The run's serving, loaded on first use. `lora`: the run trains a LoRA adapter, and
-        `ckpt` (beyond version 0) is that adapter."""
+    async def get(self, run_id: str, weights: ServedWeights) -> RunServing:
+        """The run's serving, loaded with `weights` on first use."""
+        model_dir, backend, version, ckpt = _parts(weights)
         self._check_kind(backend)
         if run_id in self._serving:
             return self._serving[run_id]
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
             if run_id not in self._serving:
-                if registry.get(backend).remote and lora:
+                if registry.get(backend).remote and weights.lora:
                     # the servers as they are (the base); the run's view loads its adapter
                     serving = await self._load_remote(run_id, model_dir, backend, 0, None)
                     serving = await self._adapter_view(run_id, serving, version, ckpt)
                 elif registry.get(backend).remote:
                     serving = await self._load_remote(run_id, model_dir, backend, version, ckpt)
-                elif lora:
+                elif weights.lora:
                     serving = await self._load_lora(run_id, model_dir, backend, version, ckpt)
                 else:
                     serving = await asyncio.to_thread(self._load, model_dir, backend, version, ckpt)
                 self._serving[run_id] = serving
         return self._serving[run_id]
 
-    async def pinned(
-        self,
-        run_id: str,
-        model_dir: Path,
-        backend: str,
-        version: int,
-        ckpt: Path | None,
-        *,
-        lora: bool = False,
-    ) -> RunServing:
-        """A serving of the run's kept `version` beside its current one, for evaluation calls
-        that pin it (`X-Rlgate-Version`); it never takes part in the run's swaps, and its
-        results report `version`. `ckpt`: that version's checkpoint (None: version 0).
+    async def pinned(self, run_id: str, weights: ServedWeights) -> RunServing:
+        """A serving of the run's kept `weights.version` beside its current one, for
+        evaluation calls that pin it (`X-Rlgate-Version`); it never takes part in the run's
+        swaps, and its results report that version.
 
         Raises `PinUnsupported` where it cannot be served (a full-model run on servers, or
         no pinned copies allowed), `OSError` where loading it failed.
         """
+        model_dir, backend, version, ckpt = _parts(weights)
         self._check_kind(backend)
         key = (run_id, version)
-        if lora:
+        if weights.lora:
             load = partial(self._load_pinned_adapter, run_id, model_dir, backend, version, ckpt)
             return await self._pinned(self._pinned_adapters, MAX_PINNED_ADAPTERS, key, load)
         if registry.get(backend).remote:
@@ -275,9 +275,8 @@ class BackendPool:
             version = run.current_version
             ckpt = await checkpoint_of(s, run_id, version)
         try:
-            return await self.get(
-                run_id, model_dir, backend, version, Path(ckpt) if ckpt else None, lora=True
-            )
+            weights = ServedWeights(model_dir, backend, version, Path(ckpt) if ckpt else None, True)
+            return await self.get(run_id, weights)
         except ValueError as exc:  # no replica registered: the run cannot serve at all
             raise OSError(str(exc)) from exc
 

@@ -86,12 +86,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from core.store.db import normalize_url
+from core.store.db import is_postgres, normalize_url
 from inference.swap import ServerSwaps, SharedReplicas, SoleServerSwaps, Swapper, WeightsSource
 from inference.types import KEEP, SwapPolicy
 
@@ -254,6 +253,18 @@ class SwapBarrier:
         def done(recorded: dict[str, int]) -> bool:
             return _caught_up(recorded, replicas, version)
 
+        async def exclusive() -> None:
+            """Holding the lock alone: reload the servers still behind, record where they are."""
+            recorded = await lock.recorded()
+            replicas.set_versions(recorded, (source, version))
+            if _caught_up(recorded, replicas, version):
+                logger.info("run %s: v%d adopted (another process loaded it)", run_id, version)
+                return
+            try:
+                await replicas.reload_quiesced(source, version, policy)
+            finally:
+                await lock.record(replicas.versions())
+
         what = f"swap to v{version} with the other gateway processes"
         async with replicas.quiesced(what, policy):
             failed: BaseException | None = None
@@ -261,7 +272,7 @@ class SwapBarrier:
                 await lock.release_shared()
                 if await lock.exclusive_unless(done, self.poll_s):
                     try:
-                        await self._swap_exclusive(lock, replicas, source, version, policy)
+                        await exclusive()
                     except Exception as exc:  # a server failed to load: serve on, then raise
                         failed = exc
                     await lock.release_exclusive()
@@ -274,25 +285,6 @@ class SwapBarrier:
                 raise
             if failed is not None:
                 raise failed
-
-    async def _swap_exclusive(
-        self,
-        lock: RunLock,
-        replicas: SharedReplicas,
-        source: WeightsSource,
-        version: int,
-        policy: SwapPolicy,
-    ) -> None:
-        recorded = await lock.recorded()
-        replicas.set_versions(recorded, (source, version))
-        if _caught_up(recorded, replicas, version):
-            logger.info("run %s: v%d adopted (another process loaded it)", lock.run_id, version)
-            return
-        try:
-            # only the servers still behind
-            await replicas.reload_quiesced(source, version, policy)
-        finally:
-            await lock.record(replicas.versions())
 
     async def check(self, run_id: str, replicas: SharedReplicas, policy: SwapPolicy = KEEP) -> None:
         """Hold the run's lock again if its connection died (a database restart took the lock
@@ -366,6 +358,6 @@ def _caught_up(recorded: dict[str, int], replicas: SharedReplicas, version: int)
 def make_server_swaps(url: str, retry_s: float = 30.0) -> ServerSwaps:
     """The barrier on PostgreSQL (other processes may serve the same runs); on SQLite this
     process swaps alone."""
-    if make_url(url).get_backend_name() == "postgresql":
+    if is_postgres(url):
         return SwapBarrier(url, retry_s)
     return SoleServerSwaps()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gateway.control import backends
-from gateway.control.backends import BackendPool, PinUnsupported, RunServing
+from gateway.control.backends import BackendPool, PinUnsupported, RunServing, ServedWeights
 from inference.backend import BackendError
 from inference.types import GenerateRequest, SamplingParams
 from tests.unit.test_lora_pool import _trained_adapter
@@ -81,15 +81,15 @@ async def test_a_full_model_pin_is_a_bounded_copy_of_that_version(
     assert v0 != v1, "the step must move the greedy answer for this test to tell them apart"
     pool = BackendPool(max_batch_size=4, eval_pinned_copies=1)
     try:
-        current = await pool.get("run", tiny_model_dir, "local", 1, full_v1)
-        pin0 = await pool.pinned("run", tiny_model_dir, "local", 0, None)
+        current = await pool.get("run", ServedWeights(tiny_model_dir, "local", 1, full_v1))
+        pin0 = await pool.pinned("run", ServedWeights(tiny_model_dir, "local", 0, None))
         assert await _greedy(pin0) == (v0, 0)
         assert await _greedy(current) == (v1, 1)  # the run itself is untouched
-        assert await pool.pinned("run", tiny_model_dir, "local", 0, None) is pin0
+        assert await pool.pinned("run", ServedWeights(tiny_model_dir, "local", 0, None)) is pin0
         assert pool.loaded().keys() == {"run"} and pool.serving_version("run") == 1
 
         # a second pinned version needs the one copy allowed: the older pin is closed
-        pin1 = await pool.pinned("run", tiny_model_dir, "local", 1, full_v1)
+        pin1 = await pool.pinned("run", ServedWeights(tiny_model_dir, "local", 1, full_v1))
         assert await _greedy(pin1) == (v1, 1)
         assert pin1.backend is not current.backend  # a copy, which the run's swaps never touch
         assert pool.pinned_versions() == {"run": [1]}
@@ -106,10 +106,12 @@ async def test_least_recently_used_copy_is_the_one_released(
 ) -> None:
     pool = BackendPool(max_batch_size=4, eval_pinned_copies=2)
     try:
-        a0 = await pool.pinned("a", tiny_model_dir, "local", 0, None)
-        b1 = await pool.pinned("b", tiny_model_dir, "local", 1, full_v1)
-        assert await pool.pinned("a", tiny_model_dir, "local", 0, None) is a0  # a used last
-        await pool.pinned("c", tiny_model_dir, "local", 0, None)
+        a0 = await pool.pinned("a", ServedWeights(tiny_model_dir, "local", 0, None))
+        b1 = await pool.pinned("b", ServedWeights(tiny_model_dir, "local", 1, full_v1))
+        assert (
+            await pool.pinned("a", ServedWeights(tiny_model_dir, "local", 0, None)) is a0
+        )  # a used last
+        await pool.pinned("c", ServedWeights(tiny_model_dir, "local", 0, None))
         assert pool.pinned_versions() == {"a": [0], "c": [0]}
         assert not await b1.backend.health() and await a0.backend.health()
     finally:
@@ -121,10 +123,10 @@ async def test_pins_that_cannot_be_served_are_refused(tiny_model_dir: Path) -> N
     pool = BackendPool(eval_pinned_copies=0)
     try:
         with pytest.raises(PinUnsupported, match="eval_pinned_copies is 0"):
-            await pool.pinned("run", tiny_model_dir, "local", 0, None)
+            await pool.pinned("run", ServedWeights(tiny_model_dir, "local", 0, None))
         for kind in ("vllm", "sglang"):  # servers hold one set of weights per full-model run
             with pytest.raises(PinUnsupported, match=f"{kind} servers"):
-                await pool.pinned("run", tiny_model_dir, kind, 0, None)
+                await pool.pinned("run", ServedWeights(tiny_model_dir, kind, 0, None))
         with pytest.raises(ValueError, match="eval_pinned_copies"):
             BackendPool(eval_pinned_copies=-1)
     finally:
@@ -138,8 +140,10 @@ async def test_a_lora_pin_is_its_own_adapter_on_the_shared_base(
     assert v0 != v1
     pool = BackendPool(max_batch_size=4, eval_pinned_copies=0)  # adapters need no copies
     try:
-        run = await pool.get("run", tiny_model_dir, "local", 0, None, lora=True)
-        pin1 = await pool.pinned("run", tiny_model_dir, "local", 1, adapter_v1, lora=True)
+        run = await pool.get("run", ServedWeights(tiny_model_dir, "local", 0, None, lora=True))
+        pin1 = await pool.pinned(
+            "run", ServedWeights(tiny_model_dir, "local", 1, adapter_v1, lora=True)
+        )
         assert await _greedy(pin1) == (v1, 1)
         assert await _greedy(run) == (v0, 0)  # the run's own adapter slot is untouched
         base = run.backend.backend
@@ -148,12 +152,12 @@ async def test_a_lora_pin_is_its_own_adapter_on_the_shared_base(
 
         # the run moves to v1 and the pin of v0 serves the base model
         await run.backend.load_weights(adapter_v1, 1)
-        pin0 = await pool.pinned("run", tiny_model_dir, "local", 0, None, lora=True)
+        pin0 = await pool.pinned("run", ServedWeights(tiny_model_dir, "local", 0, None, lora=True))
         assert await _greedy(pin0) == (v0, 0) and await _greedy(run) == (v1, 1)
 
         monkeypatch.setattr(backends, "MAX_PINNED_ADAPTERS", 2)
-        other = await pool.get("other", tiny_model_dir, "local", 0, None, lora=True)
-        await pool.pinned("other", tiny_model_dir, "local", 1, adapter_v1, lora=True)
+        other = await pool.get("other", ServedWeights(tiny_model_dir, "local", 0, None, lora=True))
+        await pool.pinned("other", ServedWeights(tiny_model_dir, "local", 1, adapter_v1, lora=True))
         assert pool.pinned_versions() == {"run": [0], "other": [1]}  # run@v1: least recent
         assert base.adapter_version("run@v1") is None
         with pytest.raises(BackendError, match="not loaded"):  # never the base's answer

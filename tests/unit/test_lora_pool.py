@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.control.backends import BackendPool
+from gateway.control.backends import BackendPool, ServedWeights
 from inference.backend import BackendError
 from inference.lora_view import AdapterView
 from inference.types import GenerateRequest, SamplingParams
@@ -54,10 +54,14 @@ async def test_lora_runs_share_one_base_and_unload_only_their_adapter(
     pool = BackendPool(max_batch_size=8)
     prompt = [1, 5, 9, 13, 17]
     try:
-        a = await pool.get("run_a", tiny_model_dir, "local", 1, adapter, lora=True)
-        b = await pool.get("run_b", tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
-        c = await pool.get("run_c", tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
-        full = await pool.get("run_full", tiny_model_dir, "local", 0, tiny_model_dir)
+        a = await pool.get("run_a", ServedWeights(tiny_model_dir, "local", 1, adapter, lora=True))
+        b = await pool.get(
+            "run_b", ServedWeights(tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
+        )
+        c = await pool.get(
+            "run_c", ServedWeights(tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
+        )
+        full = await pool.get("run_full", ServedWeights(tiny_model_dir, "local", 0, tiny_model_dir))
         assert pool.shared_bases() == {tiny_model_dir.resolve(): {"run_a", "run_b", "run_c"}}
         assert isinstance(a.backend, AdapterView) and a.backend.backend is b.backend.backend
         assert full.backend is not a.backend.backend  # a full fine-tune has weights of its own
@@ -89,14 +93,16 @@ async def test_a_lora_view_refuses_weights_that_are_not_an_adapter(
 ) -> None:
     pool = BackendPool()
     try:
-        a = await pool.get("run_a", tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
+        a = await pool.get(
+            "run_a", ServedWeights(tiny_model_dir, "local", 0, tiny_model_dir, lora=True)
+        )
         with pytest.raises(BackendError, match="not a LoRA adapter"):
             await a.backend.load_weights(tiny_model_dir, 1)
         assert a.backend.version == 0
         missing = tmp_path / "v3"
         with pytest.raises(OSError):  # a restarted gateway on a pruned adapter: no half state
             shutil.rmtree(missing, ignore_errors=True)
-            await pool.get("run_b", tiny_model_dir, "local", 3, missing, lora=True)
+            await pool.get("run_b", ServedWeights(tiny_model_dir, "local", 3, missing, lora=True))
         assert pool.shared_bases() == {tiny_model_dir.resolve(): {"run_a"}}
     finally:
         await pool.close()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.control.backends import ServedWeights
 from gateway.control.multiprocess import RemoteOnlyPool, RemoteOnlyRuns, refuse_in_process
 from gateway.errors import InvalidRequest, Unavailable
 from gateway.protocol import RunCreate
@@ -23,7 +24,7 @@ def test_only_in_process_kinds_are_refused() -> None:
 async def test_a_local_run_is_not_loaded_by_a_remote_only_pool() -> None:
     pool = RemoteOnlyPool()
     with pytest.raises(Unavailable) as refused:
-        await pool.get("run_x", Path("/nonexistent"), "local", 0, None)
+        await pool.get("run_x", ServedWeights(Path("/nonexistent"), "local", 0, None))
     assert refused.value.code == "in_process_backend"
     assert pool.loaded() == {}
 
