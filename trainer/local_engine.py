@@ -57,9 +57,10 @@ class LocalEngine(Engine):
     def token_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
         """[B, T] logprobs of input_ids[:, t] under the model at temperature; 0 off the mask."""
         policy = self.policy if model is None else PolicyLogits(model)
-        return token_logprobs(
+        logp, _ = token_logprobs(
             policy, batch.input_ids, batch.attention_mask, None, batch.loss_mask, batch.temperatures
         )
+        return logp
 
     def forward(self, chunk: list[Sample]) -> Forward:
         # One packed row, a group's shared prompt held once, while its [T, T] mask stays

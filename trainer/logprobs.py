@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,34 +95,6 @@ def logprobs_at(
     return torch.cat([pad, out], dim=1), ent
 
 
-@overload
-def token_logprobs(
-    policy: Scorer,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    loss_mask: torch.Tensor,
-    temperatures: torch.Tensor,
-    *,
-    with_entropy: Literal[False] = False,
-    keep_graph: bool = False,
-) -> torch.Tensor: ...
-
-
-@overload
-def token_logprobs(
-    policy: Scorer,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    loss_mask: torch.Tensor,
-    temperatures: torch.Tensor,
-    *,
-    with_entropy: Literal[True],
-    keep_graph: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 def token_logprobs(
     policy: Scorer,
     input_ids: torch.Tensor,
@@ -133,13 +105,13 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     keep_graph: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] logprob of input_ids[:, t] at its temperature where loss_mask is 1; 0 elsewhere.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] logprob of input_ids[:, t] at its temperature where loss_mask is 1, 0 elsewhere;
+    and with `with_entropy` the [B, T] entropy (else None).
 
-    `policy` is a `PolicyLogits` (sharded or not). `with_entropy`: also the
-    [B, T] entropy. `keep_graph`: with nothing to train, still run the head on
-    one position (its loss weight is 0 through the mask), because under FSDP
-    every rank must produce a gradient for every parameter or the collectives
+    `policy` is a `PolicyLogits` (sharded or not). `keep_graph`: with nothing to train,
+    still run the head on one position (its loss weight is 0 through the mask), because
+    under FSDP every rank must produce a gradient for every parameter or the collectives
     differ.
     """
     select = loss_mask[:, 1:] > 0
@@ -147,8 +119,7 @@ def token_logprobs(
         select = torch.zeros_like(select)
         select[0, 0] = True
     rows = policy(input_ids, attention_mask, position_ids, select)
-    logp, ent = logprobs_at(rows, input_ids, select, temperatures, with_entropy=with_entropy)
-    return (logp, ent) if ent is not None else logp
+    return logprobs_at(rows, input_ids, select, temperatures, with_entropy=with_entropy)
 
 
 def hf_forward(
@@ -179,10 +150,11 @@ def hf_forward(
     logp, entropy = token_logprobs(
         policy, ids, attn, pos, mask, temps, with_entropy=True, keep_graph=True
     )
+    assert entropy is not None
     ref = None
     if reference is not None:
         with torch.no_grad():
-            ref = token_logprobs(reference, ids, attn, pos, mask, temps)
+            ref, _ = token_logprobs(reference, ids, attn, pos, mask, temps)
     if packing:
         logp, entropy = pb.unpack(logp), pb.unpack(entropy)
         ref = ref if ref is None else pb.unpack(ref)

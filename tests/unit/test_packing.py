@@ -105,7 +105,7 @@ def _policy(model_dir: Path, attn: str) -> PolicyLogits:
 
 def _padded_logprobs(policy: PolicyLogits, samples: list[Sample], pad_id: int):
     batch = trainable_batch(collate(samples, pad_id))
-    logp = token_logprobs(
+    logp, _ = token_logprobs(
         policy, batch.input_ids, batch.attention_mask, None, batch.loss_mask, batch.temperatures
     )
     return logp, batch
@@ -114,7 +114,7 @@ def _padded_logprobs(policy: PolicyLogits, samples: list[Sample], pad_id: int):
 def _packed_logprobs(policy: PolicyLogits, samples: list[Sample], pad_id: int, mask=True):
     pb = pack(samples, pad_id)
     attn = pb.attention_mask if mask else None
-    logp = token_logprobs(
+    logp, _ = token_logprobs(
         policy, pb.input_ids, attn, pb.position_ids, pb.loss_mask, pb.temperatures
     )
     return pb.unpack(logp), pb.padded
@@ -169,7 +169,7 @@ def test_without_the_block_mask_samples_would_see_each_other(tiny_model_dir: Pat
         # a plain causal 4D mask disables that inference and lets attention cross samples
         pb = pack(samples, pad_id)
         causal = block_causal_mask([pb.num_tokens])
-        logp = token_logprobs(
+        logp, _ = token_logprobs(
             policy, pb.input_ids, causal, pb.position_ids, pb.loss_mask, pb.temperatures
         )
         crossed = pb.unpack(logp)
