@@ -16,6 +16,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -34,36 +35,28 @@ def run_export(args: argparse.Namespace) -> int:
     admin_key = os.environ.get("RLGATE_ADMIN_KEY") or DEV_ADMIN_KEY
     if args.merged:
         return export_model(url, admin_key, args.run, Path(args.out), version=args.version)
-    return export(
-        url,
-        admin_key,
-        args.run,
-        args.format,
-        Path(args.out),
-        status=args.status,
-        min_version=args.min_version,
-        split=args.split,
-    )
+    query = ExportQuery(args.format, args.split, args.status, args.min_version)
+    return export(url, admin_key, args.run, Path(args.out), query)
 
 
-def export(
-    url: str,
-    admin_key: str,
-    run_id: str,
-    fmt: str,
-    out: Path,
-    *,
-    status: str | None = None,
-    min_version: int | None = None,
-    split: str = "train",
-) -> int:
-    """Write the export of one split (`train`: training episodes, `eval`: evaluation ones) to
-    `out`; return the exit code (1 with a message on stderr on failure)."""
-    params: dict[str, str | int] = {"format": fmt, "split": split}
-    if status is not None:
-        params["status"] = status
-    if min_version is not None:
-        params["min_version"] = min_version
+@dataclass(frozen=True)
+class ExportQuery:
+    """What the admin export is asked for: a format, a split (`train`: training episodes,
+    `eval`: evaluation ones), and optionally one episode status and the oldest version."""
+
+    format: str = "jsonl"
+    split: str = "train"
+    status: str | None = None
+    min_version: int | None = None
+
+    def params(self) -> dict[str, str | int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def export(url: str, admin_key: str, run_id: str, out: Path, query: ExportQuery) -> int:
+    """Write the export `query` asks for to `out`; return the exit code (1 with a message
+    on stderr on failure)."""
+    params = query.params()
     endpoint = f"{url.rstrip('/')}/admin/v1/runs/{quote(run_id, safe='')}/export"
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")  # same directory: rename is atomic
     headers = {"Authorization": f"Bearer {admin_key}"}
@@ -83,7 +76,7 @@ def export(
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    print(f"wrote {_count_episodes(out, fmt)} episodes to {out}")
+    print(f"wrote {_count_episodes(out, query.format)} episodes to {out}")
     return 0
 
 

@@ -232,39 +232,25 @@ def _litellm_target(url: str, key: str, mode: str, body: dict, route: str) -> Ta
     return url, route, body | {"model": model}, {"Authorization": f"Bearer {key}"}
 
 
-def bench_gateway(
-    database_url: str = "postgresql://postgres@127.0.0.1:5432/test",
-    cache_dir: Path | None = None,
-    latency_ms: float = 20.0,
-    output_tokens: int = 16,
-    seconds: float = 5.0,
-    latency_concurrency: int = 4,
-    levels: tuple[int, ...] = LEVELS,
-    skip_litellm: bool = False,
-    loader: str = "auto",
-    work_dir: Path | None = None,
-    workers: tuple[int, ...] = (1,),
-    modes: tuple[str, ...] = MODES,
-    warmup: float = 1.0,
-    baseline_src: Path | None = None,
-    rounds: int = ROUNDS,
-) -> dict[str, Any]:
+def bench_gateway(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode's loads on each target in turn (`add_arguments` names the options)."""
     from inference.models import resolve_model
     from rlgate.bench import litellm as bench_litellm
     from rlgate.bench.capture import fresh_database
     from rlgate.bench.wrk import available
     from rlgate.stack import free_port
 
+    loader, workers = args.load_generator, args.workers
     if loader == "auto":
         loader = "wrk" if available() else "python"
     print(f"load generator: {loader}", file=sys.stderr)
-    cache_dir = bench_dirs.model_cache(cache_dir)
+    cache_dir = bench_dirs.model_cache(args.cache_dir)
     resolve_model("tiny", cache_dir)  # the run's tokenizer; the stub stands in for its weights
     stub_port, lite_port = free_port(), free_port()
     stub_url, lite_url = f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{lite_port}"
     stub_cmd = [sys.executable, "-m", "inference.stub_server", "--flavor", "vllm"]
-    stub_cmd += ["--port", str(stub_port), "--latency-ms", str(latency_ms)]
-    stub_cmd += ["--output-tokens", str(output_tokens)]
+    stub_cmd += ["--port", str(stub_port), "--latency-ms", str(args.latency_ms)]
+    stub_cmd += ["--output-tokens", str(args.output_tokens)]
     lite_version = None
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}  # rlgate target -> its run, created on first start
@@ -301,35 +287,37 @@ def bench_gateway(
     }
     for w in workers:
         targets[target_name(w, workers[0])] = partial(rlgate, target_name(w, workers[0]), w, None)
-    if baseline_src is not None:
-        targets[BASELINE] = partial(rlgate, BASELINE, workers[0], baseline_src.resolve())
+    if args.baseline_src is not None:
+        targets[BASELINE] = partial(rlgate, BASELINE, workers[0], args.baseline_src.resolve())
     lite_key = "sk-" + secrets.token_hex(24)
-    if not skip_litellm:
+    if not args.skip_litellm:
         lite_binary = bench_litellm.litellm_binary()  # installed now, not between two loads
         lite_version = bench_litellm.installed_version()
         targets["litellm"] = litellm
     with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(bench_dirs.work_dir("gw", work_dir))  # removed last
-        db = stack.enter_context(fresh_database(database_url))
-        baseline_db = stack.enter_context(fresh_database(database_url)) if baseline_src else db
+        tmp = stack.enter_context(bench_dirs.work_dir("gw", args.work_dir))  # removed last
+        db = stack.enter_context(fresh_database(args.database_url))
+        baseline_db = (
+            stack.enter_context(fresh_database(args.database_url)) if args.baseline_src else db
+        )
         bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
         stub = stack.enter_context(_process(stub_cmd, tmp / "stub.log"))
         _wait_http(stub_url + "/health", stub)
-        for mode in modes:
+        for mode in args.modes:
             route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
-            body = mode_body(mode, output_tokens)
+            body = mode_body(mode, args.output_tokens)
             for name, start in targets.items():
                 with start() as target_of:
                     settled = partial(settle, stub_url)
                     m = measure(
                         target_of(mode, body, route),
-                        latency_concurrency,
-                        list(levels),
-                        seconds,
+                        args.latency_concurrency,
+                        list(args.levels),
+                        args.seconds,
                         loader,
                         settled,
-                        warmup,
-                        rounds,
+                        args.warmup,
+                        args.rounds,
                     )
                 results.setdefault(mode, {})[name] = m
                 for level in (m["latency"], *m["throughput"]):
@@ -346,16 +334,16 @@ def bench_gateway(
         results,
         list(workers),
         stored,
-        not skip_litellm,
+        not args.skip_litellm,
         litellm_version=lite_version,
         load_generator=loader,
-        stub_latency_ms=latency_ms,
-        output_tokens=output_tokens,
-        seconds=seconds,
-        warmup_s=warmup,
-        rounds=rounds,
-        latency_concurrency=latency_concurrency,
-        levels=list(levels),
+        stub_latency_ms=args.latency_ms,
+        output_tokens=args.output_tokens,
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        rounds=args.rounds,
+        latency_concurrency=args.latency_concurrency,
+        levels=list(args.levels),
     )
 
 
@@ -448,23 +436,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminated)
-    out = bench_gateway(
-        args.database_url,
-        args.cache_dir,
-        args.latency_ms,
-        args.output_tokens,
-        args.seconds,
-        args.latency_concurrency,
-        args.levels,
-        args.skip_litellm,
-        args.load_generator,
-        args.work_dir,
-        args.workers,
-        args.modes,
-        args.warmup,
-        args.baseline_src,
-        args.rounds,
-    )
+    out = bench_gateway(args)
     if out["litellm_version"]:
         print(f"LiteLLM {out['litellm_version']}")
     for line in figure_lines(out):

@@ -25,7 +25,6 @@ import json
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from rlgate.bench.dirs import add_dir_arguments, model_cache, work_dir
@@ -60,19 +59,9 @@ def synthetic_samples(
     return out
 
 
-def bench_train(
-    model: str = "tiny",
-    cache_dir: Path | None = None,
-    n_samples: int = 32,
-    min_len: int = 16,
-    max_len: int = 256,
-    micro_batch_size: int = 8,
-    pack_tokens: int = 1024,
-    repeats: int = 3,
-    seed: int = 0,
-    threads: int = 1,
-) -> dict[str, Any]:
-    """Median tokens/s of each mode; `threads` is torch's intra-op thread count."""
+def bench_train(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """Median tokens/s of each mode (`add_arguments` names the options); `threads` is
+    torch's intra-op thread count."""
     import torch
 
     from inference.models import resolve_model
@@ -81,25 +70,29 @@ def bench_train(
 
     # one thread, as each torchrun rank gets: on a shared machine more threads mostly spin
     torch.set_num_threads(threads)
-    model_dir = resolve_model(model, model_cache(cache_dir))
+    model_dir = resolve_model(args.model, model_cache(args.cache_dir))
     cfg = RunConfig(
         learning_rate=1e-7,  # the weights barely move: both modes time the same model
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=args.micro_batch_size,
         group_size=2,
-        groups_per_step=max(1, -(-max(n_samples, micro_batch_size) // 2)),
-        seed=seed,
+        groups_per_step=max(1, -(-max(args.samples, args.micro_batch_size) // 2)),
+        seed=args.seed,
     )
-    base = ParallelConfig(pack_tokens=pack_tokens)
+    base = ParallelConfig(pack_tokens=args.pack_tokens)
     engine = FsdpEngine(model_dir, 0, cfg, base)
     try:
         samples = synthetic_samples(
-            n_samples, min_len, max_len, cast(Any, engine.policy.lm).config.vocab_size, seed
+            args.samples,
+            args.min_len,
+            args.max_len,
+            cast(Any, engine.policy.lm).config.vocab_size,
+            args.seed,
         )
         tokens = sum(len(s.input_ids) for s in samples)
         modes = {"packed": True, "padded": False}
         rates: dict[str, list[float]] = {m: [] for m in modes}
         micro: dict[str, float] = {}
-        for rep in range(repeats + 1):
+        for rep in range(args.repeats + 1):
             for mode, packing in modes.items():
                 engine.parallel = base.model_copy(update={"packing": packing})
                 t0 = time.perf_counter()
@@ -113,12 +106,12 @@ def bench_train(
     for mode in modes:
         print(
             f"{mode}: {statistics.median(rates[mode]):.0f} tokens/s "
-            f"(median of {repeats}; {n_samples} samples, {tokens} tokens, "
+            f"(median of {args.repeats}; {args.samples} samples, {tokens} tokens, "
             f"{micro[mode]:.0f} micro-batches)"
         )
-    shape = {"samples": n_samples, "tokens": tokens, "pack_tokens": pack_tokens}
+    shape = {"samples": args.samples, "tokens": tokens, "pack_tokens": args.pack_tokens}
     return packing_figures(
-        rates, shape | {"micro_batch_size": micro_batch_size, "threads": threads}
+        rates, shape | {"micro_batch_size": args.micro_batch_size, "threads": threads}
     )
 
 
@@ -207,20 +200,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fsdp_only:
             print(json.dumps(summary(args.model, *parts)))
             return 0
-    parts.append(
-        bench_train(
-            model=args.model,
-            cache_dir=args.cache_dir,
-            n_samples=args.samples,
-            min_len=args.min_len,
-            max_len=args.max_len,
-            micro_batch_size=args.micro_batch_size,
-            pack_tokens=args.pack_tokens,
-            repeats=args.repeats,
-            seed=args.seed,
-            threads=threads,
-        )
-    )
+    parts.append(bench_train(args, threads))
     with work_dir("train", args.work_dir) as work:
         parts.append(bench_step_ratio(model_dir, work, threads, args.step_repeats))
     print(json.dumps(summary(args.model, *parts)))

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.store.db import make_async_engine
 from gateway.admin.export import ExportFilter, ExportService
-from rlgate.export_cli import export
+from rlgate.export_cli import ExportQuery, export
 
 if TYPE_CHECKING:
     from tests.conftest import GatewayServer
@@ -180,7 +180,7 @@ def test_rows_equal_a_recomputation_from_the_eval_export(
     assert _close(_recompute(rows), expected)
     out = tmp_path / "eval.jsonl"
     assert (
-        export(gateway_server.url, gateway_server.admin_key, run_id, "jsonl", out, split="eval")
+        export(gateway_server.url, gateway_server.admin_key, run_id, out, ExportQuery(split="eval"))
         == 0
     )
     assert [json.loads(line) for line in out.read_text().splitlines()] == records

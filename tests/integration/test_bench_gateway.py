@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
-from rlgate.bench.gateway import bench_gateway
+from rlgate.bench.gateway import add_arguments, bench_gateway
 
 from .conftest import PG_ADMIN
 
@@ -14,19 +15,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def short_bench(work_dir: Path, cache_dir: Path, loader: str, modes: tuple[str, ...]) -> dict:
-    return bench_gateway(
-        PG_ADMIN,
-        cache_dir=cache_dir,
-        seconds=1.0,
-        latency_concurrency=2,
-        levels=(8,),
-        skip_litellm=True,
-        loader=loader,
-        work_dir=work_dir,
-        modes=modes,
-        warmup=1.0,
-        rounds=2,
-    )
+    """The bench as `rlgate bench gateway` runs it, with short loads at one level."""
+    argv = ["--database-url", PG_ADMIN, "--cache-dir", str(cache_dir), "--work-dir", str(work_dir)]
+    argv += ["--seconds", "1", "--warmup", "1", "--latency-concurrency", "2", "--levels", "8"]
+    argv += ["--rounds", "2", "--skip-litellm", "--load-generator", loader]
+    argv += ["--modes", ",".join(modes)]
+    return bench_gateway(add_arguments(argparse.ArgumentParser()).parse_args(argv))
 
 
 def test_every_mode_through_rlgate_is_answered_and_stored(
