@@ -62,14 +62,12 @@ class EpisodeAdmin:
         self.sessions = sessions
         self.decoder = TokenDecoder()
 
-    async def list(self, run_id: str, query: EpisodeQuery) -> EpisodePage:
-        """One page of `query`, newest first (`EpisodeQuery`)."""
-        q = query
+    async def list(self, run_id: str, q: EpisodeQuery) -> EpisodePage:
+        """One page of the query `q`, newest first (`EpisodeQuery`)."""
         if q.reward_min is not None and q.reward_max is not None and q.reward_min > q.reward_max:
             raise InvalidRequest("reward_min is above reward_max", param="reward_min")
         if q.length_min is not None and q.length_max is not None and q.length_min > q.length_max:
             raise InvalidRequest("length_min is above length_max", param="length_min")
-        limit = q.limit
         async with self.sessions() as s:
             if await s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}", param="run_id")
@@ -82,12 +80,12 @@ class EpisodeAdmin:
                 s,
                 run_id,
                 q.episodes(),
-                limit=limit + 1,  # one more says whether a next page exists
+                limit=q.limit + 1,  # one more says whether a next page exists
                 newest_first=True,
                 after=(anchor.created_at, anchor.id) if anchor else None,
             )
-            more = len(episodes) > limit
-            summaries = await _summaries(s, run_id, episodes[:limit])
+            more = len(episodes) > q.limit
+            summaries = await _summaries(s, run_id, episodes[: q.limit])
         return EpisodePage(data=list(summaries.values()), has_more=more)
 
     async def group(self, run_id: str, group_id: str) -> GroupDetail:
