@@ -28,6 +28,12 @@ async def run_version(session: AsyncSession, run_id: str) -> int | None:
     return (await session.execute(stmt)).scalar_one_or_none()
 
 
+async def run_versions(session: AsyncSession, run_ids: list[str]) -> dict[str, int]:
+    """The newest policy version of each of `run_ids` that exists, in one query."""
+    stmt = select(Run.id, Run.current_version).where(Run.id.in_(run_ids))
+    return {run_id: version for run_id, version in (await session.execute(stmt)).tuples()}
+
+
 def bump_counter(run: Run, name: str, by: int = 1) -> None:
     counters = dict(run.counters or {})
     counters[name] = int(counters.get(name, 0)) + by

@@ -129,3 +129,39 @@ def test_a_slow_reload_delays_neither_another_runs_swap_nor_the_scheduler(
             await engine.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_pass_reads_the_versions_of_all_loaded_runs_in_one_session(tmp_path: Path) -> None:
+    """Eight runs loaded, one behind: the pass opens one session for all eight, and only the
+    run behind opens another (its checkpoint). A session per run's task held eight store
+    connections at once, and past SQLite's pool of five each pass opened connection threads."""
+    url = f"sqlite:///{tmp_path / 'rlgate.db'}"
+    _seed(url, tmp_path)
+
+    async def scenario() -> None:
+        engine = make_async_engine(url)
+        factory = async_sessionmaker(engine, expire_on_commit=False)
+        opened = 0
+
+        def sessions() -> Any:
+            nonlocal opened
+            opened += 1
+            return factory()
+
+        targets = {f"run_gone_{i}": HeldTarget() for i in range(6)}  # loaded, not in the store
+        targets |= {"run_slow": HeldTarget(), "run_fast": HeldTarget()}
+        targets["run_slow"].version = 1  # up to date
+        swaps = SwapLoop(cast(Any, sessions), cast(BackendPool, Pool(targets)), interval_s=1)
+        try:
+            await swaps.start_swaps()
+            await swaps.idle()
+            assert opened == 2
+            assert targets["run_fast"].loads == [(tmp_path / "run_fast" / "v1", 1)]
+            assert all(not t.loads for name, t in targets.items() if name != "run_fast")
+            await swaps.start_swaps()  # nothing behind now: one read, no swap
+            await swaps.idle()
+            assert opened == 3 and len(targets["run_fast"].loads) == 1
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
