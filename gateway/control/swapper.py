@@ -64,8 +64,6 @@ class SwapLoop:
         async with self.sessions() as s:
             newest = await run_versions(s, list(idle))
         for run_id, serving in idle.items():
-            if run_id in self._tasks:  # started while this pass read
-                continue
             target = newest.get(run_id, 0)  # 0: the run is gone; its serving closes elsewhere
             task = asyncio.create_task(
                 self._swap_logged(run_id, serving, target), name=f"swap-{run_id}"
