@@ -19,9 +19,12 @@ four-message history, on a fresh episode path per request for rlgate
 (``/episodes/<n>/v1/...``), so templating, tokenization and episode placement
 are paid; the stub and LiteLLM get the same body on their chat route.
 
-Mode by mode, the targets are measured in turn, each started for its mode's
-loads and stopped after them (each gateway process holds up to 32 PostgreSQL
-connections; one at a time). Latency: percentiles at
+Mode by mode, the stub, the gateway, the baseline tree's gateway and LiteLLM
+are up together and loaded in lockstep (`load.measure_together`): each load
+runs on every one of them back to back, their order reversed from one load
+to the next, so two targets that a ratio compares are loaded seconds apart.
+A gateway of a further `--workers` count is measured after them, alone (each
+gateway process holds up to 32 PostgreSQL connections). Latency: percentiles at
 `latency_concurrency` clients. Throughput: the best 2xx requests/s over the
 closed-loop levels (a 429 or 5xx is never throughput; both are reported
 beside it), each counted after a `warmup` and started once the stub is idle
@@ -49,7 +52,7 @@ from typing import Any
 
 from rlgate.bench import dirs as bench_dirs
 from rlgate.bench.gateway_report import BASELINE, figure_lines, load_line, summary, target_name
-from rlgate.bench.load import Target, measure
+from rlgate.bench.load import Target, measure_together
 from rlgate.cli_args import positive_int
 
 TargetOf = Callable[[str, dict, str], Target]  # (mode, body, route) -> how to reach a target
@@ -279,21 +282,25 @@ def bench_gateway(args: argparse.Namespace) -> dict[str, Any]:
     def stub_target(mode: str, body: dict, route: str) -> Target:
         return stub_url, route, body | {"model": "stub-model"}, {}
 
-    # Mode by mode, each target in turn: a target is up only for its own mode's loads (one
-    # gateway at a time, each of its processes holding up to 32 database connections), and
-    # what other jobs do to the machine drifts over minutes between two targets, not the run.
-    targets: dict[str, Callable[[], contextlib.AbstractContextManager[TargetOf]]] = {
+    # Mode by mode, the targets that a ratio compares are up together and loaded in lockstep
+    # (`measure_together`): the stub, the first worker count's gateway, the baseline tree's
+    # and LiteLLM. Each further worker count is measured after them, alone: two gateways of
+    # 32 database connections a process, and a second of two processes, would not fit under
+    # PostgreSQL's default 100.
+    together: dict[str, Callable[[], contextlib.AbstractContextManager[TargetOf]]] = {
         "stub": lambda: contextlib.nullcontext(stub_target)
     }
+    alone: dict[str, Callable[[], contextlib.AbstractContextManager[TargetOf]]] = {}
     for w in workers:
-        targets[target_name(w, workers[0])] = partial(rlgate, target_name(w, workers[0]), w, None)
+        name = target_name(w, workers[0])
+        (together if w == workers[0] else alone)[name] = partial(rlgate, name, w, None)
     if args.baseline_src is not None:
-        targets[BASELINE] = partial(rlgate, BASELINE, workers[0], args.baseline_src.resolve())
+        together[BASELINE] = partial(rlgate, BASELINE, workers[0], args.baseline_src.resolve())
     lite_key = "sk-" + secrets.token_hex(24)
     if not args.skip_litellm:
         lite_binary = bench_litellm.litellm_binary()  # installed now, not between two loads
         lite_version = bench_litellm.installed_version()
-        targets["litellm"] = litellm
+        together["litellm"] = litellm
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(bench_dirs.work_dir("gw", args.work_dir))  # removed last
         db = stack.enter_context(fresh_database(args.database_url))
@@ -303,23 +310,27 @@ def bench_gateway(args: argparse.Namespace) -> dict[str, Any]:
         bench_litellm.write_config(tmp / "litellm.yaml", stub_url, lite_key)
         stub = stack.enter_context(_process(stub_cmd, tmp / "stub.log"))
         _wait_http(stub_url + "/health", stub)
+        loads = partial(
+            measure_together,
+            latency_c=args.latency_concurrency,
+            levels=list(args.levels),
+            seconds=args.seconds,
+            loader=loader,
+            settle=partial(settle, stub_url),
+            warmup=args.warmup,
+            rounds=args.rounds,
+        )
         for mode in args.modes:
             route = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
             body = mode_body(mode, args.output_tokens)
-            for name, start in targets.items():
+            with contextlib.ExitStack() as up:
+                reach = {name: up.enter_context(start()) for name, start in together.items()}
+                measured = loads({name: of(mode, body, route) for name, of in reach.items()})
+            for name, start in alone.items():
                 with start() as target_of:
-                    settled = partial(settle, stub_url)
-                    m = measure(
-                        target_of(mode, body, route),
-                        args.latency_concurrency,
-                        list(args.levels),
-                        args.seconds,
-                        loader,
-                        settled,
-                        args.warmup,
-                        args.rounds,
-                    )
-                results.setdefault(mode, {})[name] = m
+                    measured |= loads({name: target_of(mode, body, route)})
+            results[mode] = measured
+            for name, m in measured.items():
                 for level in (m["latency"], *m["throughput"]):
                     print(load_line(mode, name, level), file=sys.stderr)
         stored = {}

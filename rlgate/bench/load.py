@@ -154,6 +154,55 @@ def round_orders(levels: list[int], rounds: int) -> list[list[int]]:
     return [list(levels) if i % 2 == 0 else list(reversed(levels)) for i in range(rounds)]
 
 
+def target_orders(names: list[str], slots: int) -> list[list[str]]:
+    """The targets' order in each load slot: as given, then reversed, alternately, so that
+    of any two targets each goes first in every other slot."""
+    return [list(names) if i % 2 == 0 else list(reversed(names)) for i in range(slots)]
+
+
+def _figures(samples: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    latency, *loads = (combine_rounds(s) for s in samples)
+    best = max(loads, key=lambda m: m["rps"])
+    return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}
+
+
+def measure_together(
+    targets: dict[str, Target],
+    latency_c: int,
+    levels: list[int],
+    seconds: float,
+    loader: str,
+    settle: Callable[[], None] = lambda: None,
+    warmup: float = 1.0,
+    rounds: int = 1,
+    run_load: Callable[..., dict[str, Any]] = load,
+) -> dict[str, dict[str, Any]]:
+    """`measure` for several targets that are up at once, load by load in lockstep.
+
+    Each load (the latency load, then every level, round by round in `round_orders`)
+    runs on every target back to back before the next load starts, the targets'
+    order reversed from one load to the next (`target_orders`). Two targets compared
+    by a ratio are then loaded seconds apart, each first as often as the other: a
+    machine whose speed drifts over minutes, or a store still writing what the last
+    target sent it, weighs on both alike. Measured one after the other, minutes
+    apart, the same two gateways' max req/s ratio moved by 0.4 with their order on
+    a 2-core VM.
+    """
+    names = list(targets)
+    concurrencies = [latency_c, *levels]  # position 0: the latency load
+    slots = [
+        i for order in round_orders(list(range(len(concurrencies))), max(1, rounds)) for i in order
+    ]
+    samples = {name: [[] for _ in concurrencies] for name in names}
+    for i, order in zip(slots, target_orders(names, len(slots)), strict=True):
+        for name in order:
+            settle()
+            samples[name][i].append(
+                run_load(targets[name], concurrencies[i], seconds, loader, warmup)
+            )
+    return {name: _figures(s) for name, s in samples.items()}
+
+
 def measure(
     target: Target,
     latency_c: int,
@@ -176,16 +225,7 @@ def measure(
     what an overloaded target still holds from the last one must not be measured
     with the next. `run_load`: `load`'s stand-in in tests.
     """
-    concurrencies = [latency_c, *levels]  # position 0: the latency load
-
-    def settled(c: int) -> dict[str, Any]:
-        settle()
-        return run_load(target, c, seconds, loader, warmup)
-
-    samples: list[list[dict[str, Any]]] = [[] for _ in concurrencies]
-    for order in round_orders(list(range(len(concurrencies))), max(1, rounds)):
-        for i in order:
-            samples[i].append(settled(concurrencies[i]))
-    latency, *loads = (combine_rounds(s) for s in samples)
-    best = max(loads, key=lambda m: m["rps"])
-    return {"latency": latency, "throughput": loads, "max_rps": best["rps"]}
+    together = measure_together(
+        {"target": target}, latency_c, levels, seconds, loader, settle, warmup, rounds, run_load
+    )
+    return together["target"]

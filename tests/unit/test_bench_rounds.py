@@ -1,10 +1,17 @@
-"""`load.measure` with rounds: levels interleaved, each level read as its rounds' median."""
+"""`load.measure` with rounds: levels interleaved, each level read as its rounds' median;
+`load.measure_together`: several targets loaded in lockstep, the lead alternating."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rlgate.bench.load import combine_rounds, measure, round_orders
+from rlgate.bench.load import (
+    combine_rounds,
+    measure,
+    measure_together,
+    round_orders,
+    target_orders,
+)
 
 
 def one_load(rps: float, requests: int, **extra: Any) -> dict[str, Any]:
@@ -74,3 +81,61 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
     assert out["latency"]["rps"] == 50.0  # the latency load is read over rounds too
     assert [r["rps"] for r in out["latency"]["rounds"]] == [50.0, 45.0, 60.0]
     assert by_level[512]["requests"] == 30
+
+
+def test_targets_alternate_their_order_load_by_load() -> None:
+    assert target_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert target_orders(["a"], 2) == [["a"], ["a"]]
+
+
+def test_targets_measured_together_take_each_load_back_to_back_each_first_in_turn() -> None:
+    calls: list[tuple[str, int]] = []
+    settles: list[int] = []
+
+    def fake_load(target: Any, c: int, seconds: float, loader: str, warmup: float) -> dict:
+        name = target[0]
+        calls.append((name, c))
+        # "after" answers 10 % more than "before" at every level, round after round
+        rps = float(c) * (1.1 if name == "after" else 1.0) + len(calls)
+        return one_load(rps, 10, concurrency=c)
+
+    out = measure_together(
+        {"before": ("before", "/", {}, {}), "after": ("after", "/", {}, {})},
+        4,
+        [32, 128],
+        1.0,
+        "python",
+        settle=lambda: settles.append(1),
+        rounds=2,
+        run_load=fake_load,
+    )
+    # every load on both targets before the next load; the first target alternates
+    assert calls == [
+        ("before", 4), ("after", 4),
+        ("after", 32), ("before", 32),
+        ("before", 128), ("after", 128),
+        ("after", 128), ("before", 128),
+        ("before", 32), ("after", 32),
+        ("after", 4), ("before", 4),
+    ]  # fmt: skip
+    assert len(settles) == len(calls)
+    firsts = [calls[i][0] for i in range(0, len(calls), 2)]
+    assert firsts.count("before") == firsts.count("after")
+    assert set(out) == {"before", "after"}
+    for name, m in out.items():
+        assert [level["concurrency"] for level in m["throughput"]] == [32, 128]
+        assert len(m["latency"]["rounds"]) == 2 and m["throughput"][1]["requests"] == 20
+        assert m["max_rps"] == m["throughput"][1]["rps"], name
+    # each level is its two rounds' median, the calls' own numbers included
+    assert out["before"]["throughput"][1]["rps"] == (128 + 5 + 128 + 8) / 2
+    assert out["after"]["throughput"][1]["rps"] == (128 * 1.1 + 6 + 128 * 1.1 + 7) / 2
+
+
+def test_one_target_together_is_measure_itself() -> None:
+    def fake_load(target: Any, c: int, seconds: float, loader: str, warmup: float) -> dict:
+        return one_load(float(c), 10, concurrency=c)
+
+    args = (4, [32, 128], 1.0, "python")
+    alone = measure(("x", "/", {}, {}), *args, rounds=3, run_load=fake_load)
+    together = measure_together({"x": ("x", "/", {}, {})}, *args, rounds=3, run_load=fake_load)
+    assert together == {"x": alone}
