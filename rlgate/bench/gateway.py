@@ -61,7 +61,7 @@ PROMPT = list(range(100, 164))  # 64 prompt tokens
 ADMIN_KEY = "bench-admin"
 MODES = ("plain", "stream", "chat")
 LEVELS = (32, 128, 512)
-ROUNDS = 5  # loads per level, interleaved (`load.round_orders`); a level's figure: the median
+ROUNDS = 5  # loads per level, interleaved (`load.alternating`); a level's figure: the median
 CHAT_MESSAGES = [
     {
         "role": "system",

@@ -1,7 +1,7 @@
 """The figures of `rlgate bench gateway`, from its measured loads: ratios, fractions, lines.
 
-`results[mode][target]` is what `rlgate.bench.load.measure` returns (``latency`` at
-a few clients, ``throughput`` per level, ``max_rps`` the best 2xx rate).
+`results[mode][target]` is a target's entry of what `rlgate.bench.load.measure_together`
+returns (``latency`` at a few clients, ``throughput`` per level, ``max_rps`` the best 2xx rate).
 Targets: ``stub``, ``litellm`` (unless skipped), one rlgate per
 ``--workers`` count (``rlgate`` for the first, ``rlgate_w<N>`` for the others)
 and, with ``--baseline-src``, ``rlgate_baseline``: the gateway of another

@@ -18,9 +18,10 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 Target = tuple[str, str, dict, dict]  # base URL, path, body, headers
+T = TypeVar("T")
 
 
 async def _one(client: Any, url: str, body: dict, headers: dict) -> tuple[int, float]:
@@ -148,16 +149,12 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def round_orders(levels: list[int], rounds: int) -> list[list[int]]:
-    """The levels' order in each round: as given, then reversed, alternately, so that a
-    machine whose speed drifts (or a store that grows) weighs on every level alike."""
-    return [list(levels) if i % 2 == 0 else list(reversed(levels)) for i in range(rounds)]
-
-
-def target_orders(names: list[str], slots: int) -> list[list[str]]:
-    """The targets' order in each load slot: as given, then reversed, alternately, so that
-    of any two targets each goes first in every other slot."""
-    return [list(names) if i % 2 == 0 else list(reversed(names)) for i in range(slots)]
+def alternating(items: list[T], times: int) -> list[list[T]]:
+    """`items` `times` times: as given, then reversed, alternately. The levels' order in
+    each round, so that a machine whose speed drifts (or a store that grows) weighs on
+    every level alike; the targets' order in each load, so that of any two targets each
+    goes first in every other load."""
+    return [list(items) if i % 2 == 0 else list(reversed(items)) for i in range(times)]
 
 
 def _figures(samples: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -177,55 +174,35 @@ def measure_together(
     rounds: int = 1,
     run_load: Callable[..., dict[str, Any]] = load,
 ) -> dict[str, dict[str, Any]]:
-    """`measure` for several targets that are up at once, load by load in lockstep.
+    """Latency at `latency_c` clients and 2xx throughput at each level of every target
+    (`max_rps` its best), the targets up at once and loaded in lockstep.
 
-    Each load (the latency load, then every level, round by round in `round_orders`)
-    runs on every target back to back before the next load starts, the targets'
-    order reversed from one load to the next (`target_orders`). Two targets compared
-    by a ratio are then loaded seconds apart, each first as often as the other: a
-    machine whose speed drifts over minutes, or a store still writing what the last
-    target sent it, weighs on both alike. Measured one after the other, minutes
-    apart, the same two gateways' max req/s ratio moved by 0.4 with their order on
-    a 2-core VM.
+    Each load (the latency load, then every level, round by round in `alternating`
+    order, the latency load first in the first round) runs on every target back to
+    back before the next load starts, the targets' order reversed from one load to
+    the next. Two targets compared by a ratio are then loaded seconds apart, each
+    first as often as the other: a machine whose speed drifts over minutes, or a
+    store still writing what the last target sent it, weighs on both alike. Measured
+    one after the other, minutes apart, the same two gateways' max req/s ratio moved
+    by 0.4 with their order on a 2-core VM.
+
+    With `rounds` > 1 a load's figures are the rounds' medians (`combine_rounds`): the
+    best level and the others are then read the same way, not one load against the
+    best of several, and the added latency is not one 5-second load's (which moved by
+    2-3 ms at 4 clients between two runs of the same gateway on this machine).
+    `settle` runs before each load: what an overloaded target still holds from the
+    last one must not be measured with the next. `run_load`: `load`'s stand-in in tests.
     """
     names = list(targets)
     concurrencies = [latency_c, *levels]  # position 0: the latency load
     slots = [
-        i for order in round_orders(list(range(len(concurrencies))), max(1, rounds)) for i in order
+        i for order in alternating(list(range(len(concurrencies))), max(1, rounds)) for i in order
     ]
     samples = {name: [[] for _ in concurrencies] for name in names}
-    for i, order in zip(slots, target_orders(names, len(slots)), strict=True):
+    for i, order in zip(slots, alternating(names, len(slots)), strict=True):
         for name in order:
             settle()
             samples[name][i].append(
                 run_load(targets[name], concurrencies[i], seconds, loader, warmup)
             )
     return {name: _figures(s) for name, s in samples.items()}
-
-
-def measure(
-    target: Target,
-    latency_c: int,
-    levels: list[int],
-    seconds: float,
-    loader: str,
-    settle: Callable[[], None] = lambda: None,
-    warmup: float = 1.0,
-    rounds: int = 1,
-    run_load: Callable[..., dict[str, Any]] = load,
-) -> dict[str, Any]:
-    """Latency at `latency_c` clients and 2xx throughput at each level; `max_rps` the best.
-
-    With `rounds` > 1 the latency load and every level are loaded once per round
-    (`round_orders`, the latency load first in the first round) and their figures are
-    the rounds' medians (`combine_rounds`): the best level and the others are then
-    read the same way, not one load against the best of several, and the added
-    latency is not one 5-second load's (which moved by 2-3 ms at 4 clients between
-    two runs of the same gateway on this machine). `settle` runs before each load:
-    what an overloaded target still holds from the last one must not be measured
-    with the next. `run_load`: `load`'s stand-in in tests.
-    """
-    together = measure_together(
-        {"target": target}, latency_c, levels, seconds, loader, settle, warmup, rounds, run_load
-    )
-    return together["target"]

@@ -1,17 +1,11 @@
-"""`load.measure` with rounds: levels interleaved, each level read as its rounds' median;
-`load.measure_together`: several targets loaded in lockstep, the lead alternating."""
+"""`load.measure_together`: levels interleaved over rounds, each level read as its rounds'
+median; several targets loaded in lockstep, the lead alternating."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rlgate.bench.load import (
-    combine_rounds,
-    measure,
-    measure_together,
-    round_orders,
-    target_orders,
-)
+from rlgate.bench.load import alternating, combine_rounds, measure_together
 
 
 def one_load(rps: float, requests: int, **extra: Any) -> dict[str, Any]:
@@ -34,8 +28,8 @@ def one_load(rps: float, requests: int, **extra: Any) -> dict[str, Any]:
 
 
 def test_rounds_alternate_their_order() -> None:
-    assert round_orders([32, 128, 512], 3) == [[32, 128, 512], [512, 128, 32], [32, 128, 512]]
-    assert round_orders([8], 2) == [[8], [8]]
+    assert alternating([32, 128, 512], 3) == [[32, 128, 512], [512, 128, 32], [32, 128, 512]]
+    assert alternating([8], 2) == [[8], [8]]
 
 
 def test_a_level_is_its_rounds_median_and_its_counts_their_sum() -> None:
@@ -51,7 +45,7 @@ def test_one_round_is_the_load_itself() -> None:
     assert combine_rounds([load]) == load
 
 
-def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None:
+def test_every_level_is_loaded_once_per_round_in_alternating_order() -> None:
     calls: list[int] = []
     settles: list[int] = []
     rates = {32: [500.0, 400.0, 450.0], 128: [600.0, 300.0, 550.0], 512: [580.0, 590.0, 100.0]}
@@ -63,8 +57,8 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
             return one_load(latencies.pop(0), 5, concurrency=4)
         return one_load(rates[c].pop(0), 10, concurrency=c)
 
-    out = measure(
-        ("http://x", "/", {}, {}),
+    out = measure_together(
+        {"x": ("http://x", "/", {}, {})},
         4,
         [32, 128, 512],
         1.0,
@@ -72,7 +66,7 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
         settle=lambda: settles.append(1),
         rounds=3,
         run_load=fake_load,
-    )
+    )["x"]
     assert calls == [4, 32, 128, 512, 512, 128, 32, 4, 4, 32, 128, 512]
     assert len(settles) == len(calls)  # settled before every load
     by_level = {m["concurrency"]: m for m in out["throughput"]}
@@ -84,8 +78,8 @@ def test_measure_loads_every_level_once_per_round_in_alternating_order() -> None
 
 
 def test_targets_alternate_their_order_load_by_load() -> None:
-    assert target_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
-    assert target_orders(["a"], 2) == [["a"], ["a"]]
+    assert alternating(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert alternating(["a"], 2) == [["a"], ["a"]]
 
 
 def test_targets_measured_together_take_each_load_back_to_back_each_first_in_turn() -> None:
@@ -129,13 +123,3 @@ def test_targets_measured_together_take_each_load_back_to_back_each_first_in_tur
     # each level is its two rounds' median, the calls' own numbers included
     assert out["before"]["throughput"][1]["rps"] == (128 + 5 + 128 + 8) / 2
     assert out["after"]["throughput"][1]["rps"] == (128 * 1.1 + 6 + 128 * 1.1 + 7) / 2
-
-
-def test_one_target_together_is_measure_itself() -> None:
-    def fake_load(target: Any, c: int, seconds: float, loader: str, warmup: float) -> dict:
-        return one_load(float(c), 10, concurrency=c)
-
-    args = (4, [32, 128], 1.0, "python")
-    alone = measure(("x", "/", {}, {}), *args, rounds=3, run_load=fake_load)
-    together = measure_together({"x": ("x", "/", {}, {})}, *args, rounds=3, run_load=fake_load)
-    assert together == {"x": alone}
