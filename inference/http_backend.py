@@ -172,15 +172,6 @@ class StreamEvent(NamedTuple):
     starts: VersionStarts | None = None
 
 
-def _unpack(
-    answer: Completion | StreamEvent | tuple[Tokens, FinishReason | None],
-) -> tuple[Tokens, FinishReason | None, VersionStarts | None]:
-    if isinstance(answer, Completion | StreamEvent):
-        return answer.tokens, answer.finish, answer.starts
-    tokens, finish = answer
-    return tokens, finish, None
-
-
 # The backend whose server this task holds paused for a keep-mode swap: a nested
 # `_server_paused` (a subclass's adapter load) finds it paused already.
 _PAUSED_BY: contextvars.ContextVar[HttpBackend | None] = contextvars.ContextVar(
@@ -331,15 +322,13 @@ class HttpBackend(abc.ABC):
     # --- what a server does differently (subclasses) -------------------------------
 
     @abc.abstractmethod
-    async def _complete(self, request: GenerateRequest) -> Completion | tuple[Tokens, FinishReason]:
+    async def _complete(self, request: GenerateRequest) -> Completion:
         """One non-streaming generation: its tokens and finish reason, and the server's
         per-token version labels when it gives them (a `Completion` with `starts`).
         Called only when `labels_tokens` is True."""
 
     @abc.abstractmethod
-    def _stream_tokens(
-        self, request: GenerateRequest
-    ) -> AsyncIterator[StreamEvent | tuple[Tokens, FinishReason | None]]:
+    def _stream_tokens(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         """One streaming generation: per event, the NEW tokens and the finish reason if any;
         a `StreamEvent` may carry the server's labels of the whole output (the last does)."""
 
@@ -394,7 +383,7 @@ class HttpBackend(abc.ABC):
                 raise
         async with self.admitted(request.adapter, streamed=False) as flight:
             answer = await self._abortable(self._complete(request), flight.lanes)
-        tokens, finish, starts = _unpack(answer)
+        tokens, finish, starts = answer
         if finish is None:
             raise BackendError(f"{self.name} answered without a finish_reason")
         return flight.result([t for t, _ in tokens], [lp for _, lp in tokens], finish, starts)
@@ -831,8 +820,7 @@ class HttpStream:
     async def _receive(self, flight: Flight) -> tuple[FinishReason, VersionStarts | None]:
         finish: FinishReason | None = None
         labels: VersionStarts | None = None
-        async for event in self._backend._stream_tokens(self._request):
-            tokens, reason, starts = _unpack(event)
+        async for tokens, reason, starts in self._backend._stream_tokens(self._request):
             for token, logprob in tokens:
                 self._ids.append(token)
                 self._lps.append(logprob)

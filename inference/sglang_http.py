@@ -72,7 +72,7 @@ from typing import Any
 import httpx
 
 from inference.backend import BackendError
-from inference.http_backend import HttpBackend, Tokens
+from inference.http_backend import Completion, HttpBackend, StreamEvent
 from inference.http_common import check_status, json_body, transport_errors
 from inference.launch import ServerConfig, base_command
 from inference.types import FinishReason, GenerateRequest, SwapPolicy
@@ -131,18 +131,16 @@ class SGLangBackend(HttpBackend):
 
     name = "SGLang"
 
-    async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
+    async def _complete(self, request: GenerateRequest) -> Completion:
         body = await self._post("/generate", generate_payload(request, stream=False))
         meta = (body.get("meta_info") if isinstance(body, dict) else None) or {}
         pairs = token_logprobs(meta)
         finish = finish_of(meta)
         if finish is None or not pairs:
             raise BackendError(f"SGLang /generate answered without tokens: {str(body)[:200]}")
-        return pairs, finish
+        return Completion(pairs, finish)
 
-    async def _stream_tokens(
-        self, request: GenerateRequest
-    ) -> AsyncIterator[tuple[Tokens, FinishReason | None]]:
+    async def _stream_tokens(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         seen = 0  # tokens yielded so far; events may repeat them (cumulative streaming)
         async for event in self._events("/generate", generate_payload(request, stream=True)):
             meta = event.get("meta_info") or {}
@@ -152,7 +150,7 @@ class SGLangBackend(HttpBackend):
             if new > len(pairs) or new < 0:
                 raise BackendError("stream lost tokens: completion_tokens out of step")
             seen = total
-            yield (pairs[len(pairs) - new :] if new else []), finish_of(meta)
+            yield StreamEvent(pairs[len(pairs) - new :] if new else [], finish_of(meta))
 
     _kv_kept = False  # paused "in_place": a cache flush would fail while requests run
 

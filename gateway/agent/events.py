@@ -21,15 +21,17 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from core.store.models import Completion
 from gateway.errors import APIError
 
 
-@dataclass(frozen=True, slots=True)
-class Token:
-    """One sampled token: its id, its behaviour logprob, and where its text starts."""
+class Token(NamedTuple):
+    """One sampled token: its id, its behaviour logprob, and where its text starts.
+
+    A named tuple, not a dataclass: one is made per sampled token, and a tuple is the
+    cheapest immutable record to build (a third of a frozen dataclass's time)."""
 
     id: int
     logprob: float

@@ -19,8 +19,8 @@ from gateway.identifiers import header_value
 logger = logging.getLogger(__name__)
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+# json.dumps with `separators` builds a new encoder on every call; a stream sends one per chunk.
+_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

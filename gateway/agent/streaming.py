@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import anyio
 
@@ -172,28 +171,7 @@ class SampleStream:
             await keep_partial(self.stream, self._store, self.id)
             raise
 
-    async def tokens(self) -> AsyncIterator[tuple[int, float]]:
-        """The backend's (token id, logprob) pairs, the one `open()` took first."""
-        if self._first is not None:
-            yield self._first
-        async for item in self._tokens:
-            yield item
-
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
-        try:
-            async with aclosing(self._sampled()) as sampled:
-                async for event in sampled:
-                    yield event
-        except BackendError as exc:
-            # The backend died after this stream had tokens (a replica set retries only
-            # before the first one): the encoders end with their error event; nothing is stored.
-            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
-            yield StreamError(backend_failure(exc))
-        finally:
-            if not self.stored:
-                await keep_partial(self.stream, self._store, self.id)
-
-    async def _sampled(self) -> AsyncGenerator[StreamEvent, None]:
         prep = self.prep
         decoder = IncrementalDecoder(prep.serving.template.decode, prep.params.stop)
         # With reasoning parsed, the text is split as it comes: reasoning deltas inside
@@ -204,30 +182,48 @@ class SampleStream:
         # and sent, parsed, once sampling ends (tool calls arrive whole, one delta each).
         hold = prep.tool_parser is not None
         pending: list[Token] = []  # sampled, not yet on a delta
-        async for token, logprob in self.tokens():
-            pending.append(Token(token, logprob, decoder.n_sent))
-            piece = decoder.push(token)
-            reasoning, content = think.push(piece) if think and piece else ("", piece)
-            for delta in _deltas(reasoning, "" if hold else content, pending):
+        item = self._first  # `open()` took the first token
+        try:
+            # One generator from the backend's tokens to the encoder, and no objects per
+            # token beyond its `Token`: this loop runs once per sampled token.
+            while item is not None:
+                token, logprob = item
+                pending.append(Token(token, logprob, decoder.n_sent))
+                piece = decoder.push(token)
+                if think is not None and piece:
+                    reasoning, piece = think.push(piece)
+                    if reasoning:
+                        yield ReasoningDelta(reasoning, tuple(pending))
+                        pending = []
+                if piece and not hold:
+                    yield TextDelta(piece, tuple(pending))
+                    pending = []
+                item = await anext(self._tokens, None)
+            result = await self.stream.result()
+            rest = decoder.flush()
+            row = await self._store(result)
+            reasoning, content = (
+                ("", rest) if think is None else _joined(think.push(rest), think.flush())
+            )
+            if hold:
+                content = row.content
+            # The last sampled tokens' logprobs ride on the first of these, or an empty one.
+            for delta in _deltas(reasoning, content, pending) or (
+                [TextDelta("", tuple(pending))] if pending else []
+            ):
                 yield delta
-                pending = []
-        result = await self.stream.result()
-        rest = decoder.flush()
-        row = await self._store(result)
-        reasoning, content = (
-            ("", rest) if think is None else _joined(think.push(rest), think.flush())
-        )
-        if hold:
-            content = row.content
-        # The last sampled tokens' logprobs ride on the first of these, or an empty one.
-        for delta in _deltas(reasoning, content, pending) or (
-            [TextDelta("", tuple(pending))] if pending else []
-        ):
-            yield delta
-        for i, call in enumerate(row.tool_calls or []):
-            yield ToolCallDelta(i, call)
-        logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
-        yield Done(row)
+            for i, call in enumerate(row.tool_calls or []):
+                yield ToolCallDelta(i, call)
+            logger.debug("streamed %s (%d tokens)", row.id, len(result.output_token_ids))
+            yield Done(row)
+        except BackendError as exc:
+            # The backend died after this stream had tokens (a replica set retries only
+            # before the first one): the encoders end with their error event; nothing is stored.
+            logger.warning("stream %s broke mid-generation: %s", self.id, exc)
+            yield StreamError(backend_failure(exc))
+        finally:
+            if not self.stored:
+                await keep_partial(self.stream, self._store, self.id)
 
     async def _store(self, result: GenerateResult) -> Completion:
         row = self.chat.completion_row(self.prep, self.id, None, result)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from inference.backend import BackendError, BackendOverloaded
-from inference.http_backend import HttpBackend, Tokens
+from inference.http_backend import Completion, HttpBackend, StreamEvent, Tokens
 from inference.http_common import HttpBackendConfig
 from inference.types import FinishReason, GenerateRequest, SamplingParams, SwapPolicy
 
@@ -44,18 +44,16 @@ class Plain(HttpBackend):
         lps = choice["logprobs"]["token_logprobs"]
         return list(zip(choice["token_ids"], lps, strict=True)), choice["finish_reason"]
 
-    async def _complete(self, request: GenerateRequest) -> tuple[Tokens, FinishReason]:
+    async def _complete(self, request: GenerateRequest) -> Completion:
         body = {"prompt": request.prompt_token_ids, "stream": False}
         tokens, finish = self._read(await self._post("/generate", body))
         assert finish is not None
-        return tokens, finish
+        return Completion(tokens, finish)
 
-    async def _stream_tokens(
-        self, request: GenerateRequest
-    ) -> AsyncIterator[tuple[Tokens, FinishReason | None]]:
+    async def _stream_tokens(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         body = {"prompt": request.prompt_token_ids, "stream": True}
         async for event in self._events("/generate", body):
-            yield self._read(event)
+            yield StreamEvent(*self._read(event))
 
     async def _pause(self, policy: SwapPolicy) -> None:
         raise AssertionError("no swap here")
