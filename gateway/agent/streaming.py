@@ -184,8 +184,8 @@ class SampleStream:
         pending: list[Token] = []  # sampled, not yet on a delta
         item = self._first  # `open()` took the first token
         try:
-            # One generator from the backend's tokens to the encoder, and no objects per
-            # token beyond its `Token`: this loop runs once per sampled token.
+            # One generator from the backend's tokens to the encoder: this loop runs once
+            # per sampled token, and builds a `Token` per token and a delta per piece.
             while item is not None:
                 token, logprob = item
                 pending.append(Token(token, logprob, decoder.n_sent))
