@@ -37,9 +37,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.backend import BackendError, BackendOverloaded
+from inference.backend import BackendError, BackendOverloaded, VersionMoved
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +151,23 @@ def backend_failure(exc: BackendError) -> APIError:
         return RateLimited(
             f"the run's backend is at capacity; retry shortly ({exc})", code="backend_overloaded"
         )
+    if isinstance(exc, VersionMoved):
+        return Conflict(
+            f"the pinned version was swapped out as this call started ({exc}); retry it",
+            code="version_moved",
+        )
     return Unavailable(
         "the inference backend failed; retry the request", code="backend_unavailable"
     )
 
 
-def database_failure(exc: DBAPIError) -> APIError | None:
-    """The one mapping of a database error to HTTP: unreachable (restart, network cut) is a
-    retryable 503; None for anything else, which is a bug."""
+def database_failure(exc: DBAPIError | PoolTimeout) -> APIError | None:
+    """The one mapping of a database error to HTTP: unreachable (restart, network cut) or
+    busy (no pooled connection came free within the pool's timeout: the load is past what
+    the pool serves) is a retryable 503; None for anything else, which is a bug."""
+    if isinstance(exc, PoolTimeout):
+        logger.warning("database busy: %s", exc)
+        return Unavailable("the database is busy; retry the request", code="database_busy")
     if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
         logger.warning("database unavailable: %s", exc.orig)
         return Unavailable(
@@ -217,7 +227,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err, request.url.path)
 
     @app.exception_handler(DBAPIError)
-    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+    @app.exception_handler(PoolTimeout)
+    async def _database(request: Request, exc: DBAPIError | PoolTimeout) -> JSONResponse:
         err = database_failure(exc)
         if err is None:
             return await _bug(request, exc)

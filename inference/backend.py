@@ -20,6 +20,11 @@ class BackendOverloaded(BackendError):
     """Too many requests are waiting: the caller should retry a little later."""
 
 
+class VersionMoved(BackendError):
+    """A request that must start on one version (`GenerateRequest.version`) was admitted
+    after a swap to another: nothing was sampled; the caller decides again where it goes."""
+
+
 class TokenStream(Protocol):
     """One streaming generation: its tokens, a way to stop it, and its final result."""
 

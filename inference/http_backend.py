@@ -28,7 +28,7 @@ import aiohttp
 import httpx
 import yarl
 
-from inference.backend import BackendError
+from inference.backend import BackendError, VersionMoved
 from inference.http_common import (
     HttpBackendConfig,
     ServerCredentials,
@@ -381,7 +381,9 @@ class HttpBackend(abc.ABC):
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
-        async with self.admitted(request.adapter, streamed=False) as flight:
+        async with self.admitted(
+            request.adapter, streamed=False, version=request.version
+        ) as flight:
             answer = await self._abortable(self._complete(request), flight.lanes)
         tokens, finish, starts = answer
         if finish is None:
@@ -606,13 +608,14 @@ class HttpBackend(abc.ABC):
 
     @contextlib.asynccontextmanager
     async def admitted(
-        self, adapter: str | None = None, streamed: bool = True
+        self, adapter: str | None = None, streamed: bool = True, version: int | None = None
     ) -> AsyncIterator[Flight]:
         """Hold a place among the in-flight requests (of `adapter`, if named).
 
         Yields the request's `Flight`: the version it was admitted on, the lanes it holds
         (for `_abortable`) and the marks of the keep-mode swaps it lives through.
-        Raises `BackendError` if `adapter` is not loaded.
+        Raises `BackendError` if `adapter` is not loaded, and `VersionMoved` if `version`
+        is given and its lane serves another (`GenerateRequest.version`).
         """
         while True:  # both gates open at the same moment (a swap may start while we wait)
             if not self._base.gate.is_set():
@@ -630,6 +633,10 @@ class HttpBackend(abc.ABC):
                     continue
                 lanes = (self._base, lane)
             break
+        if version is not None and lanes[-1].version != version:
+            raise VersionMoved(
+                f"{self.name} at {self.url} serves v{lanes[-1].version}, not v{version}"
+            )
         flight = Flight(lanes, streamed)
         for lane in lanes:
             lane.enter()
@@ -806,7 +813,8 @@ class HttpStream:
 
     async def _run(self) -> GenerateResult:
         try:
-            async with self._backend.admitted(self._request.adapter) as flight:
+            request = self._request
+            async with self._backend.admitted(request.adapter, version=request.version) as flight:
                 self._flight = flight
                 finish, starts = await self._backend._abortable(self._receive(flight), flight.lanes)
             return flight.result(self._ids, self._lps, finish, starts)

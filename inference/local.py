@@ -77,7 +77,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from inference.backend import BackendError, BackendOverloaded
+from inference.backend import BackendError, BackendOverloaded, VersionMoved
 from inference.decode_batch import DecodeBatch, Job, Row, growing
 from inference.lora import Adapter, AdapterBank, AdapterError, read_adapter
 from inference.models import own_memory
@@ -107,9 +107,14 @@ class LocalStream:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def tokens(self) -> AsyncIterator[tuple[int, float]]:
-        """(token id, logprob) pairs until generation ends."""
+        """(token id, logprob) pairs until generation ends; a failure raises its error here,
+        as it does from `result()` (before the first token: a backend error the caller can
+        still answer with its HTTP status)."""
         while (item := await self._queue.get()) is not None:
             yield item
+        future = self._job.future
+        if not future.cancelled() and (exc := future.exception()) is not None:
+            raise exc
 
     def cancel(self) -> None:
         """Stop sampling this request at its next step; its result ends "cancelled"."""
@@ -448,6 +453,11 @@ class LocalBackend:
                 head.future.set_exception(BackendError(f"adapter {name!r} is not loaded"))
                 continue
             version = self._version if adapter is None else adapter.version
+            if head.request.version not in (None, version):  # a swap landed since it looked
+                head.future.set_exception(
+                    VersionMoved(f"serving v{version}, not v{head.request.version}")
+                )
+                continue
             generator, stop = self._generator(head.request), self._stop_check(head.request.params)
             joining.append(Row(head, adapter, version, generator, stop))
             widest = widest_then

@@ -73,7 +73,14 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from core.config import ReplicaConfig
-from inference.backend import AdapterBackend, Backend, BackendError, BackendOverloaded, TokenStream
+from inference.backend import (
+    AdapterBackend,
+    Backend,
+    BackendError,
+    BackendOverloaded,
+    TokenStream,
+    VersionMoved,
+)
 from inference.swap import ServerClient, WeightsSource
 from inference.types import KEEP, GenerateRequest, GenerateResult, SwapPolicy
 
@@ -469,7 +476,7 @@ class ReplicaSet(Generic[B]):
     async def _on_failure(self, replica: Replica[B], exc: BackendError) -> None:
         """A request failed on `replica`: take it out if it no longer answers health checks."""
         replica.last_error = str(exc) or repr(exc)
-        if isinstance(exc, BackendOverloaded):
+        if isinstance(exc, BackendOverloaded | VersionMoved):  # busy or swapped, not down
             return
         if replica.healthy and not await self._probe(replica):
             self._take_out(replica, f"request failed: {exc}")

@@ -63,6 +63,11 @@ class GenerateRequest:
     # The LoRA adapter to sample with (a name the backend loaded with `load_adapter`, the
     # run id for rlgate's LoRA runs); None samples the base model's own weights.
     adapter: str | None = None
+    # The version the request must start on (a pinned evaluation call served by the current
+    # weights), checked where the backend admits it, at the moment it takes the version it
+    # reports: admitted on another (a swap landed since the caller looked) it raises
+    # `VersionMoved` and samples nothing. None starts on whatever version is served.
+    version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def make_async_engine(
     synchronous_commit: bool = True,
     autocommit: bool = False,
     ping_after_idle_s: float = PING_AFTER_IDLE_S,
+    pool_timeout_s: float = 30,
 ) -> AsyncEngine:
     """The gateway's engine.
 
@@ -94,10 +95,12 @@ def make_async_engine(
     # and closed after it, and PostgreSQL forks a backend for each (with 20 + 20 under
     # load, those forks took more CPU than the queries; with 32 + 16, two processes at
     # 512 clients also ran past the server's 100 connections). A request past the pool
-    # waits for a connection. So no code may ask for a second connection while it
-    # holds one (tests/integration/test_admission_pool.py). Last in, first out: under a
-    # light load the same few connections stay in use (no ping) and the rest idle.
-    kw: dict = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30}
+    # waits for a connection, up to `pool_timeout_s`: past that it is a retryable 503
+    # `database_busy` (`gateway/errors.py`), not a 500. So no code may ask for a second
+    # connection while it holds one (tests/integration/test_admission_pool.py). Last in,
+    # first out: under a light load the same few connections stay in use (no ping) and
+    # the rest idle.
+    kw: dict = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": pool_timeout_s}
     if autocommit:
         kw |= {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     engine = create_async_engine(normalize_url(url, asynchronous=True), pool_use_lifo=True, **kw)

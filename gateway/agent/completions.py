@@ -123,12 +123,17 @@ class ChatService:
 
         A pin is compared with the version the serving holds, not with `run.current_version`:
         the run as the key cache hands it out may lag a swap the swap loop has made. A pin
-        of the version being served is the run's own serving, so a keep-mode swap during
-        that call makes it span two versions, and its figures are reported apart.
+        of the version being served is the run's own serving, marked to start on that
+        version (`RunServing.start_on`): a swap that lands before the backend admits the
+        call makes it a retryable 409 `version_moved` (its retry finds the version pinned
+        elsewhere or not at all), never an answer of another version. A keep-mode swap
+        after it started makes it span two versions, and its figures are reported apart.
         """
         current = await self._current(run)
-        if ref is None or ref.version is None or ref.version == current.backend.version:
+        if ref is None or ref.version is None:
             return current
+        if ref.version == current.backend.version:
+            return dataclasses.replace(current, start_on=ref.version)
         return await self.pinned(run, ref.version)
 
     async def _current(self, run: Run) -> RunServing:
@@ -356,7 +361,12 @@ class ChatService:
             results = await asyncio.gather(
                 *(
                     serving.backend.generate(
-                        GenerateRequest(prompt_ids, _nth_seed(params, i), prep.placement.episode_id)
+                        GenerateRequest(
+                            prompt_ids,
+                            _nth_seed(params, i),
+                            prep.placement.episode_id,
+                            version=serving.start_on,
+                        )
                     )
                     for i in range(n)
                 )

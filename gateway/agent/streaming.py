@@ -148,7 +148,12 @@ class SampleStream:
         self.created = int(time.time())
         try:
             self.stream: TokenStream = prep.serving.backend.start_stream(
-                GenerateRequest(prep.prompt_ids, prep.params, prep.placement.episode_id)
+                GenerateRequest(
+                    prep.prompt_ids,
+                    prep.params,
+                    prep.placement.episode_id,
+                    version=prep.serving.start_on,
+                )
             )
         except BackendError as exc:  # e.g. a full queue, no healthy replica: before any byte
             raise backend_failure(exc) from exc

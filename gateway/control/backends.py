@@ -65,6 +65,10 @@ class RunServing:
     max_context: int
     swapper: Swapper  # chosen when the run is loaded (`inference.swap`)
     replicas: ReplicaSet[ServerClient] | None = None  # a remote run's servers
+    # The version a call on it must start on (`GenerateRequest.version`): set on the copy
+    # that serves an evaluation call pinning the version being served, which a swap may
+    # replace before the backend admits the call.
+    start_on: int | None = None
 
 
 @dataclass(frozen=True)

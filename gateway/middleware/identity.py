@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.store.keys import run_for_key_hash
@@ -137,7 +138,7 @@ async def authenticated_run(state, scope: Scope) -> Run:
     key_hash = identity_of(scope).required_hash()
     try:
         run = await lookup_run(state, key_hash)
-    except DBAPIError as exc:  # also raised outside the app's handlers (middleware)
+    except (DBAPIError, PoolTimeout) as exc:  # also raised outside the app's handlers
         err = database_failure(exc)
         if err is None:
             raise

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.backend import BackendError
+from inference.backend import BackendError, VersionMoved
 from inference.http_backend import Completion, HttpBackend, HttpStream, StreamEvent, Tokens
 from inference.http_common import HttpBackendConfig, version_starts_of
 from inference.sglang_http import SGLangBackend
@@ -194,6 +194,34 @@ async def test_server_labels_give_each_call_its_versions(vllm_stub: str, tmp_pat
     state = stub_state(vllm_stub)
     assert state["last_pause"] == {"mode": "keep", "clear_cache": True}
     assert state["weight_version"] == "1"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_request_that_must_start_on_a_swapped_out_version_is_refused(
+    vllm_stub: str, tmp_path: Path, stream: bool
+) -> None:
+    """`GenerateRequest.version` is checked where the backend admits the call, the moment it
+    takes the version it reports: after a swap a call bound to the old one reaches no server."""
+    backend = Labelled(HttpBackendConfig(base_url=vllm_stub))
+    pinned = GenerateRequest(PROMPT, SamplingParams(max_tokens=4), version=0)
+
+    async def call(request: GenerateRequest) -> GenerateResult:
+        if not stream:
+            return await backend.generate(request)
+        return await backend.start_stream(request).result()
+
+    try:
+        assert (await call(pinned)).policy_version == 0
+        await backend.load_weights(tmp_path, 1)
+        served = stub_state(vllm_stub)["requests"]
+        with pytest.raises(VersionMoved, match="serves v1, not v0"):
+            await call(pinned)
+        assert stub_state(vllm_stub)["requests"] == served
+        assert (
+            await call(GenerateRequest(PROMPT, SamplingParams(max_tokens=4), version=1))
+        ).policy_version == 1
+    finally:
+        await backend.close()
 
 
 async def test_a_failed_keep_load_marks_nothing_and_resumes(vllm_stub: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.backend import Backend, BackendError
+from inference.backend import Backend, BackendError, VersionMoved
 from inference.chat_template import ChatTemplate
 from inference.local import LocalBackend
 from inference.types import (
@@ -241,6 +241,24 @@ async def test_load_weights_swaps_version_and_logits(
     assert again.policy_version == 2
     assert again.output_token_ids == before.output_token_ids
     assert again.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-6)
+
+
+async def test_a_request_that_must_start_on_a_swapped_out_version_samples_nothing(
+    backend: LocalBackend, prompts: list[list[int]], modified_checkpoint: Path
+) -> None:
+    """`GenerateRequest.version` is checked where the engine admits the row: a pin of the
+    version being served that a swap overtook is refused, never answered by the new one."""
+    on_0 = await backend.generate(GenerateRequest(prompts[0], _greedy(4), version=0))
+    assert on_0.policy_version == 0
+    await backend.load_weights(modified_checkpoint, 1)
+    with pytest.raises(VersionMoved, match="v1, not v0"):
+        await backend.generate(GenerateRequest(prompts[0], _greedy(4), version=0))
+    stream = backend.start_stream(GenerateRequest(prompts[0], _greedy(4), version=0))
+    with pytest.raises(VersionMoved):
+        async for _ in stream.tokens():
+            pass
+    on_1 = await backend.generate(GenerateRequest(prompts[0], _greedy(4), version=1))
+    assert on_1.policy_version == 1
 
 
 async def test_requests_queued_before_a_drain_swap_finish_on_the_old_version(

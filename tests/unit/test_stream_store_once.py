@@ -52,7 +52,9 @@ def _prep() -> SimpleNamespace:
     backend = SimpleNamespace(start_stream=lambda request: _Stream())
     return SimpleNamespace(
         serving=SimpleNamespace(
-            backend=backend, template=SimpleNamespace(decode=lambda ids: "x" * len(ids))
+            backend=backend,
+            template=SimpleNamespace(decode=lambda ids: "x" * len(ids)),
+            start_on=None,
         ),
         prompt_ids=[1, 2],
         params=SimpleNamespace(stop=()),
