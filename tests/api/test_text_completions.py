@@ -205,6 +205,7 @@ def test_episode_from_path_and_metadata_and_reward(gateway_server, run, http):
         ([-1], "outside the vocabulary"),
         ([10**6], "outside the vocabulary"),
         ([[]], "prompt[0]"),
+        ([[1, True]], "prompt[0]"),
         ("", "empty"),
         (None, "required"),
         ({"text": "hi"}, "prompt"),
