@@ -237,6 +237,7 @@ def test_a_pin_on_a_full_model_run_on_vllm_is_a_400(
         )
     deadline = time.monotonic() + 60
     while True:  # until the servers hold version 1 (a pin of 0 is then another version)
+        assert time.monotonic() < deadline, "the gateway never saw version 1"
         try:
             resp = run.chat("/eval/episodes/pinned-0", pin=0)
         except openai.BadRequestError as exc:
@@ -248,5 +249,4 @@ def test_a_pin_on_a_full_model_run_on_vllm_is_a_400(
             continue  # what an SDK with retries does; the retry sees version 1
         # answered: by version 0 only, never by the version that replaced it meanwhile
         assert resp.model_extra["policy_version"] == 0
-        assert time.monotonic() < deadline, "the gateway never saw version 1"
         time.sleep(0.5)
