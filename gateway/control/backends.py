@@ -451,24 +451,33 @@ class BackendPool:
         return None if serving is None else serving.replicas
 
     async def add_replica(self, run_id: str, kind: str, url: str) -> None:
-        """Put a newly registered server into a loaded run's set (it loads the set's weights)."""
-        replicas = self._replica_set(run_id)
-        if replicas is not None:
-            backend = registry.get(kind).connect_to(url, credentials=self.credentials)
-            await replicas.add_replica(url, backend, url)
+        """Put a newly registered server into a loaded run's set (it loads the set's weights).
+
+        Called after the registration is stored. Under the run's load lock: a load that
+        read the run's servers before the registration finishes first, and the server
+        then joins the set it made (without the lock it was left out until a reload).
+        """
+        async with self._locks.setdefault(run_id, asyncio.Lock()):
+            replicas = self._replica_set(run_id)
+            if replicas is not None and url not in _names(replicas):
+                backend = registry.get(kind).connect_to(url, credentials=self.credentials)
+                await replicas.add_replica(url, backend, url)
 
     async def remove_replica(self, run_id: str, url: str) -> None:
-        """Drain and drop a server from a loaded run; the last one unloads the run."""
-        replicas = self._replica_set(run_id)
-        if replicas is None:
-            return
-        names = {r["name"] for r in replicas.replica_status()}
-        if url not in names:
-            return
-        if len(names) == 1:
-            await self.unload(run_id)
-        else:
-            await replicas.remove_replica(url)
+        """Drain and drop a server from a loaded run; the last one unloads the run.
+
+        Called after the removal is stored, under the run's load lock, as `add_replica`:
+        a load that read the server before its removal must not keep it (it did, and
+        served it on until the gateway restarted).
+        """
+        async with self._locks.setdefault(run_id, asyncio.Lock()):
+            replicas = self._replica_set(run_id)
+            if replicas is None or url not in (names := _names(replicas)):
+                return
+            if len(names) == 1:
+                await self.unload(run_id)
+            else:
+                await replicas.remove_replica(url)
 
     def backend_threads(self) -> dict[str, int]:
         """Run id -> torch threads its in-process backend samples on (remote runs: absent)."""
@@ -502,6 +511,10 @@ class BackendPool:
         for run_id in list(self._serving):
             await self.unload(run_id)
         await self.swaps.close()
+
+
+def _names(replicas: ReplicaSet[ServerClient]) -> set[str]:
+    return {r["name"] for r in replicas.replica_status()}
 
 
 async def _served_context(members: list[tuple[str, ServerClient, str]]) -> int | None:
