@@ -459,7 +459,7 @@ class BackendPool:
         """
         async with self._locks.setdefault(run_id, asyncio.Lock()):
             replicas = self._replica_set(run_id)
-            if replicas is not None and url not in _names(replicas):
+            if replicas is not None and url not in replicas.versions():
                 backend = registry.get(kind).connect_to(url, credentials=self.credentials)
                 await replicas.add_replica(url, backend, url)
 
@@ -472,7 +472,7 @@ class BackendPool:
         """
         async with self._locks.setdefault(run_id, asyncio.Lock()):
             replicas = self._replica_set(run_id)
-            if replicas is None or url not in (names := _names(replicas)):
+            if replicas is None or url not in (names := replicas.versions()):
                 return
             if len(names) == 1:
                 await self.unload(run_id)
@@ -511,10 +511,6 @@ class BackendPool:
         for run_id in list(self._serving):
             await self.unload(run_id)
         await self.swaps.close()
-
-
-def _names(replicas: ReplicaSet[ServerClient]) -> set[str]:
-    return {r["name"] for r in replicas.replica_status()}
 
 
 async def _served_context(members: list[tuple[str, ServerClient, str]]) -> int | None:

@@ -12,7 +12,8 @@ no GPU here) on loopback; the store is a list the pool's read returns.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,16 @@ class Registered(BackendPool):
     async def replica_urls(self, run_id: str) -> list[str]:
         return list(self.urls)
 
+    async def register(self, url: str) -> None:
+        """What the admin API does: store the registration, then tell the pool."""
+        self.urls.append(url)
+        await self.add_replica(RUN, "vllm", url)
+
+    async def remove(self, url: str) -> None:
+        """Store the removal, then tell the pool."""
+        self.urls.remove(url)
+        await self.remove_replica(RUN, url)
+
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[str]]:
@@ -68,74 +79,58 @@ def _served_by(serving: RunServing) -> set[str]:
     return {r["name"] for r in serving.replicas.replica_status()}
 
 
-async def _load_during(
-    pool: Registered, swaps: HeldJoin, model: Path, change: Callable[[], Awaitable[None]]
-) -> RunServing:
-    """Load the run; once the load is inside its join, start `change` and let it run as far
-    as it can; then let the load finish, and `change` after it."""
-    load = asyncio.create_task(pool.get(RUN, ServedWeights(model, "vllm", 0, None)))
-    await swaps.entered.wait()
-    task = asyncio.create_task(change())
-    for _ in range(20):
-        await asyncio.sleep(0)
-    swaps.release.set()
-    serving = await load
-    await task
-    return serving
+@contextlib.asynccontextmanager
+async def loaded_during(
+    urls: list[str], model: Path, change: Callable[[Registered], Awaitable[None]]
+) -> AsyncIterator[tuple[Registered, RunServing]]:
+    """A pool serving `urls` loads the run; once the load is inside its join, `change` starts
+    and runs as far as it can; then the load finishes, and `change` after it."""
+    swaps = HeldJoin()
+    pool = Registered(list(urls), swaps)
+    try:
+        load = asyncio.create_task(pool.get(RUN, ServedWeights(model, "vllm", 0, None)))
+        await swaps.entered.wait()
+        task = asyncio.create_task(change(pool))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        swaps.release.set()
+        serving = await load
+        await task
+        yield pool, serving
+    finally:
+        await pool.close()
 
 
 async def test_a_server_removed_during_the_load_is_not_served(
     servers: list[str], tiny_model_dir: Path
 ) -> None:
-    swaps = HeldJoin()
-    pool = Registered(list(servers), swaps)
-
-    async def remove() -> None:
-        pool.urls.remove(servers[0])  # the removal is stored, then told to the pool
-        await pool.remove_replica(RUN, servers[0])
-
-    try:
-        serving = await _load_during(pool, swaps, tiny_model_dir, remove)
+    async with loaded_during(servers, tiny_model_dir, lambda pool: pool.remove(servers[0])) as (
+        pool,
+        serving,
+    ):
         assert _served_by(serving) == {servers[1]}
         assert pool.loaded()[RUN] is serving
-    finally:
-        await pool.close()
 
 
 async def test_the_last_server_removed_during_the_load_unloads_the_run(
     servers: list[str], tiny_model_dir: Path
 ) -> None:
-    swaps = HeldJoin()
-    pool = Registered([servers[0]], swaps)
-
-    async def remove() -> None:
-        pool.urls.clear()
-        await pool.remove_replica(RUN, servers[0])
-
-    try:
-        await _load_during(pool, swaps, tiny_model_dir, remove)
+    async with loaded_during(servers[:1], tiny_model_dir, lambda pool: pool.remove(servers[0])) as (
+        pool,
+        _,
+    ):
         assert RUN not in pool.loaded()  # the next call loads again, and finds no server
-    finally:
-        await pool.close()
 
 
 async def test_a_server_registered_during_the_load_is_served(
     servers: list[str], tiny_model_dir: Path
 ) -> None:
-    swaps = HeldJoin()
-    pool = Registered([servers[0]], swaps)
-
-    async def register() -> None:
-        pool.urls.append(servers[1])
-        await pool.add_replica(RUN, "vllm", servers[1])
-
-    try:
-        serving = await _load_during(pool, swaps, tiny_model_dir, register)
+    async with loaded_during(
+        servers[:1], tiny_model_dir, lambda pool: pool.register(servers[1])
+    ) as (pool, serving):
         assert _served_by(serving) == set(servers)
         await pool.add_replica(RUN, "vllm", servers[1])  # one the load read: not added twice
         assert _served_by(serving) == set(servers)
         assert serving.replicas is not None and len(serving.replicas.replica_status()) == 2
         result = await serving.backend.generate(GenerateRequest([1, 2, 3], SamplingParams()))
         assert result.output_token_ids
-    finally:
-        await pool.close()
